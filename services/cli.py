@@ -1,0 +1,606 @@
+"""``fedfleet``: the command line behind ``make run`` and the Kubernetes pods.
+
+``fedfleet run CONFIG`` is the researcher's front door: it starts the server, the aggregators and the
+client processes against RabbitMQ as separate OS processes, shows a progress bar over rounds, prints
+a results table and leaves ``runs/<run-id>/``. The per-service commands (``server``, ``aggregator``,
+``client``) are what those processes — and the Kubernetes pods — execute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from shared.config import ConfigError, ExperimentConfig, Settings, dump_config, load_config
+from shared.results import read_rounds, read_summary
+
+console = Console(stderr=True)
+DEFAULT_PORTS = {"server": 9100, "aggregator": 9101, "client": 9102}
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+def _load(path: str) -> ExperimentConfig:
+    try:
+        return load_config(path)
+    except ConfigError as err:
+        console.print(f"[red]config error[/red]\n{err}")
+        raise SystemExit(2) from None
+
+
+def _experiment_id(args: argparse.Namespace, cfg: ExperimentConfig, settings: Settings) -> str:
+    return args.experiment or settings.experiment or cfg.name
+
+
+def _metrics_port(args: argparse.Namespace, settings: Settings, service: str) -> int:
+    if args.metrics_port is not None:
+        return int(args.metrics_port)
+    if settings.metrics_port is not None:
+        return settings.metrics_port
+    return DEFAULT_PORTS[service]
+
+
+def _transport(url: str, experiment: str) -> Any:
+    from shared.transport.amqp import AmqpTransport
+
+    return AmqpTransport(url, experiment)
+
+
+def _install_signal_handlers(service: Any) -> None:
+    def stop(signum: int, frame: Any) -> None:
+        service.stopped = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+
+
+def _parse_devices(spec: str) -> list[int]:
+    out: list[int] = []
+    for part in spec.split(","):
+        if "-" in part:
+            a, b = part.split("-", 1)
+            out.extend(range(int(a), int(b) + 1))
+        elif part.strip():
+            out.append(int(part))
+    return out
+
+
+def _client_index(value: str) -> int:
+    if value != "auto":
+        return int(value)
+    host = os.environ.get("HOSTNAME") or socket.gethostname()
+    m = re.search(r"-(\d+)$", host)
+    if not m:
+        raise SystemExit(f"--client-index auto: cannot read a pod ordinal from hostname {host!r}")
+    return int(m.group(1))
+
+
+# -- service commands ------------------------------------------------------------------------------
+def cmd_server(args: argparse.Namespace) -> int:
+    from services.common import setup_logging
+    from services.server.service import Server
+    from shared import metrics
+    from shared.experiment import Experiment
+
+    settings = Settings()
+    setup_logging(settings.log_level)
+    cfg = _load(args.config)
+    exp_id = _experiment_id(args, cfg, settings)
+    run_dir = Path(args.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    metrics.serve(_metrics_port(args, settings, "server"))
+    transport = _transport(settings.rabbitmq_url, exp_id)
+    server = Server(transport, Experiment.build(cfg), run_dir, experiment_id=exp_id)
+    _install_signal_handlers(server)
+    server.run()
+    transport.close()
+    if server.error:
+        print(server.error, file=sys.stderr)
+        return 1
+    return 0 if server.phase == "done" else 3
+
+
+def cmd_aggregator(args: argparse.Namespace) -> int:
+    from services.aggregator.service import Aggregator
+    from services.common import setup_logging
+    from shared import metrics
+    from shared.experiment import Experiment
+
+    settings = Settings()
+    setup_logging(settings.log_level)
+    cfg = _load(args.config)
+    exp_id = _experiment_id(args, cfg, settings)
+    metrics.serve(_metrics_port(args, settings, "aggregator"))
+    transport = _transport(settings.rabbitmq_url, exp_id)
+    agg = Aggregator(
+        transport,
+        Experiment.build(cfg).strategy,
+        experiment_id=exp_id,
+        algorithm=cfg.algorithm.name,
+        aggregator_id=args.id or socket.gethostname(),
+        prefetch=cfg.processes.prefetch,
+        max_bytes=cfg.processes.max_message_bytes,
+    )
+    _install_signal_handlers(agg)
+    agg.run()
+    transport.close()
+    return 0
+
+
+def cmd_client(args: argparse.Namespace) -> int:
+    from services.client.service import Client
+    from services.common import setup_logging
+    from shared import metrics
+    from shared.experiment import Experiment
+
+    settings = Settings()
+    setup_logging(settings.log_level)
+    cfg = _load(args.config)
+    exp_id = _experiment_id(args, cfg, settings)
+    if args.devices:
+        devices = _parse_devices(args.devices)
+        index = None
+    else:
+        index = _client_index(args.client_index)
+        per = args.devices_per_client
+        devices = [d for d in range(index * per, (index + 1) * per) if d < cfg.num_devices]
+        if not devices:
+            raise SystemExit(
+                f"client index {index} hosts no devices (fleet has {cfg.num_devices}, {per} per client)"
+            )
+    metrics.serve(_metrics_port(args, settings, "client"))
+    transport = _transport(settings.rabbitmq_url, exp_id)
+    client_id = args.id or (f"client-{index}" if index is not None else f"client-{devices[0]}")
+    state_dir = Path(args.state_dir or Path("runs") / exp_id / "device-state")
+    client = Client(
+        transport,
+        Experiment.build(cfg),
+        experiment_id=exp_id,
+        client_id=client_id,
+        device_ids=devices,
+        state_dir=state_dir,
+    )
+    _install_signal_handlers(client)
+    client.run()
+    transport.close()
+    return 0
+
+
+def cmd_healthcheck(args: argparse.Namespace) -> int:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{args.port}/metrics", timeout=3) as resp:
+            return 0 if resp.status == 200 else 1
+    except OSError:
+        return 1
+
+
+# -- run: the whole experiment on this machine -----------------------------------------------------
+def _free_port(preferred: int) -> int:
+    for port in [preferred, 0]:
+        with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+            try:
+                s.bind(("0.0.0.0", port))
+                return int(s.getsockname()[1])
+            except OSError:
+                continue
+    raise RuntimeError("no free port")
+
+
+def _client_ranges(num_devices: int, clients: int) -> list[list[int]]:
+    clients = min(clients, num_devices)
+    return [list(range(num_devices))[i::clients] for i in range(clients)]
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    cfg = _load(args.config)
+    if args.rounds:
+        cfg = cfg.model_copy(update={"rounds": args.rounds})
+    settings = Settings()
+    run_id = args.run_id or f"{cfg.name}-{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}"
+    run_dir = Path(args.runs_dir) / run_id
+    if (run_dir / "summary.json").exists():
+        console.print(f"[red]{run_dir} already holds a finished run[/red]; choose another --run-id")
+        return 2
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(dump_config(cfg))
+
+    transport = args.transport
+    if transport in ("auto", "amqp"):
+        from shared.transport.amqp import broker_reachable
+
+        if broker_reachable(settings.rabbitmq_url):
+            transport = "amqp"
+        elif transport == "amqp":
+            console.print(f"[red]RabbitMQ is not reachable at {settings.rabbitmq_url}[/red]")
+            return 2
+        else:
+            console.print(
+                "[bold yellow]WARNING: no RabbitMQ broker reachable — running IN-PROCESS (one process, "
+                "no broker). Results are the same; timings and traffic are not those of a "
+                "deployment.[/bold yellow]"
+            )
+            transport = "inproc"
+    console.print(f"run [bold]{run_id}[/bold] · {cfg.algorithm.name} · {transport} · results in {run_dir}")
+    started = time.time()
+    rc = (
+        _run_inproc(cfg, run_dir, run_id)
+        if transport == "inproc"
+        else _run_processes(cfg, run_dir, run_id, args)
+    )
+    if rc == 0:
+        summary = read_summary(run_dir)
+        summary["wall_seconds_total"] = time.time() - started
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        print_report(run_dir)
+    return rc
+
+
+def _progress() -> Progress:
+    return Progress(
+        TextColumn("[bold]round {task.completed:.0f}/{task.total:.0f}"),
+        BarColumn(),
+        TextColumn("acc {task.fields[acc]}"),
+        TextColumn("· {task.fields[mb]} MB"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    )
+
+
+def _advance(progress: Progress, task_id: Any, rows: list[dict[str, Any]]) -> None:
+    if not rows:
+        return
+    last = rows[-1]
+    accs = [r["accuracy"] for r in rows if r.get("accuracy") is not None]
+    mb = (last["cum_bytes_up"] + last["cum_bytes_down"]) / 1e6
+    progress.update(task_id, completed=len(rows), acc=f"{accs[-1]:.3f}" if accs else "-", mb=f"{mb:.1f}")
+
+
+def _run_inproc(cfg: ExperimentConfig, run_dir: Path, run_id: str) -> int:
+    from services.aggregator.service import Aggregator
+    from services.client.service import Client
+    from services.common import setup_logging
+    from services.server.service import Server
+    from shared.experiment import Experiment
+    from shared.transport.inproc import InprocBroker, InprocTransport
+
+    setup_logging("WARNING")
+    exp = Experiment.build(cfg)
+    broker = InprocBroker()
+    server = Server(InprocTransport(broker, run_id), exp, run_dir, experiment_id=run_id)
+    services: list[Any] = [server]
+    for i in range(cfg.processes.aggregators):
+        services.append(
+            Aggregator(
+                InprocTransport(broker, run_id),
+                exp.strategy,
+                experiment_id=run_id,
+                algorithm=cfg.algorithm.name,
+                aggregator_id=f"agg-{i}",
+                prefetch=cfg.processes.prefetch,
+                max_bytes=cfg.processes.max_message_bytes,
+            )
+        )
+    for i, devs in enumerate(_client_ranges(cfg.num_devices, cfg.processes.clients)):
+        services.append(
+            Client(
+                InprocTransport(broker, run_id),
+                exp,
+                experiment_id=run_id,
+                client_id=f"client-{i}",
+                device_ids=devs,
+                state_dir=run_dir / "device-state",
+            )
+        )
+    with _progress() as progress:
+        task_id = progress.add_task("rounds", total=cfg.rounds, acc="-", mb="0.0")
+        while not server.stopped:
+            for s in services:
+                s.transport.process(0)
+                s.tick()
+            _advance(progress, task_id, server.rows)
+            if broker.pending() == 0:
+                time.sleep(0.001)
+    return 1 if server.error else 0
+
+
+def _run_processes(cfg: ExperimentConfig, run_dir: Path, run_id: str, args: argparse.Namespace) -> int:
+    logs = run_dir / "logs"
+    logs.mkdir(exist_ok=True)
+    config_path = run_dir / "config.yaml"
+    base = [sys.executable, "-m", "services.cli"]
+    common = ["--config", str(config_path), "--experiment", run_id]
+    n_aggs = args.aggregators or cfg.processes.aggregators
+    n_clients = args.clients or cfg.processes.clients
+    port = args.metrics_base_port
+    ports: dict[str, int] = {}
+    specs: list[tuple[str, list[str]]] = [("server", ["server", *common, "--run-dir", str(run_dir)])]
+    specs += [(f"aggregator-{i}", ["aggregator", *common, "--id", f"agg-{i}"]) for i in range(n_aggs)]
+    ranges = _client_ranges(cfg.num_devices, n_clients)
+    specs += [
+        (
+            f"client-{i}",
+            [
+                "client",
+                *common,
+                "--id",
+                f"client-{i}",
+                "--devices",
+                ",".join(map(str, devs)),
+                "--state-dir",
+                str(run_dir / "device-state"),
+            ],
+        )
+        for i, devs in enumerate(ranges)
+    ]
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    env = dict(os.environ)
+    for name, argv in specs:
+        p = _free_port(port)
+        port = p + 1
+        ports[name] = p
+        with (logs / f"{name}.log").open("wb") as log:
+            procs[name] = subprocess.Popen(
+                [*base, *argv, "--metrics-port", str(p)], stdout=log, stderr=log, env=env
+            )
+    (run_dir / "ports.json").write_text(json.dumps(ports, indent=2))
+    server = procs["server"]
+    rc = 0
+    reported: set[str] = set()
+    others_gone_since: float | None = None
+    try:
+        with _progress() as progress:
+            task_id = progress.add_task("rounds", total=cfg.rounds, acc="-", mb="0.0")
+            while server.poll() is None:
+                time.sleep(0.25)
+                _advance(progress, task_id, read_rounds(run_dir))
+                for name, proc in procs.items():
+                    if name != "server" and proc.poll() not in (None, 0) and name not in reported:
+                        reported.add(name)
+                        console.print(
+                            f"[yellow]{name} exited with {proc.returncode}; see {logs / name}.log[/yellow]"
+                        )
+                if all(p.poll() is not None for n, p in procs.items() if n != "server"):
+                    # Normal at the very end (the server stops them); a hang otherwise.
+                    others_gone_since = others_gone_since or time.time()
+                    if time.time() - others_gone_since > 60:
+                        console.print(
+                            "[red]every aggregator and client has exited; stopping the server[/red]"
+                        )
+                        server.terminate()
+            _advance(progress, task_id, read_rounds(run_dir))
+        rc = server.wait()
+    except KeyboardInterrupt:
+        console.print(
+            "[yellow]interrupted: stopping services (the server checkpoint allows a resume)[/yellow]"
+        )
+        rc = 130
+    finally:
+        deadline = time.time() + 15
+        for proc in procs.values():
+            if proc.poll() is None and rc != 0:
+                proc.terminate()
+        for proc in procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.1, deadline - time.time()))
+            if proc.poll() is None:
+                proc.kill()
+    if rc != 0:
+        tail = (logs / "server.log").read_text().splitlines()[-5:]
+        console.print(f"[red]server exited with {rc}[/red]; last lines of {logs / 'server.log'}:")
+        for line in tail:
+            console.print(line, markup=False)
+        return rc if rc > 0 else 1
+    _cleanup_broker(run_dir, run_id, [f"client-{i}" for i in range(len(ranges))])
+    return 0
+
+
+def _cleanup_broker(run_dir: Path, run_id: str, client_ids: list[str]) -> None:
+    """Record the dead-letter count, then delete the experiment's queues (a finished run leaves none)."""
+    from shared.transport.amqp import AmqpTransport
+
+    t = AmqpTransport(Settings().rabbitmq_url, run_id)
+    try:
+        dead = t.queue_depth(t.names.dead_letter_queue)
+        summary = read_summary(run_dir)
+        summary["dead_lettered"] = dead
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        t.delete_experiment(
+            [t.names.server_queue, t.names.updates_queue, *(t.names.client_queue(c) for c in client_ids)]
+        )
+    finally:
+        t.close()
+
+
+# -- report / compare ------------------------------------------------------------------------------
+def _fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000:
+            return f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def _fmt(v: Any, digits: int = 4) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+SUMMARY_ROWS: list[tuple[str, str, Callable[[Any], str]]] = [
+    ("algorithm", "algorithm", str),
+    ("transport", "transport", str),
+    ("rounds", "rounds", str),
+    ("final accuracy", "final_accuracy", _fmt),
+    ("best accuracy", "best_accuracy", _fmt),
+    ("bytes up (wire)", "bytes_up", _fmt_bytes),
+    ("bytes down (wire)", "bytes_down", _fmt_bytes),
+    ("bytes up (dense-eq.)", "dense_bytes_up", _fmt_bytes),
+    ("bytes down (dense-eq.)", "dense_bytes_down", _fmt_bytes),
+    ("wall seconds", "wall_seconds", lambda v: _fmt(v, 1)),
+    ("virtual seconds", "virtual_seconds", lambda v: _fmt(v, 1)),
+    ("final density", "final_density", _fmt),
+    ("dead-lettered", "dead_lettered", str),
+]
+
+
+def print_report(run_dir: Path) -> None:
+    s = read_summary(run_dir)
+    rows = read_rounds(run_dir)
+    out = Console(width=None if sys.stdout.isatty() else 120)
+    t = Table(title=f"rounds of {run_dir.name}", show_lines=False)
+    for col in ("round", "outcome", "accuracy", "loss", "participants", "up", "down", "round s"):
+        t.add_column(col, justify="right")
+    shown = rows if len(rows) <= 25 else rows[:5] + rows[-20:]
+    for r in shown:
+        t.add_row(
+            str(r["round"]),
+            str(r["outcome"]),
+            _fmt(r.get("accuracy")),
+            _fmt(r.get("loss")),
+            f"{r['participants']}/{r['selected']}",
+            _fmt_bytes(r["bytes_up"]),
+            _fmt_bytes(r["bytes_down"]),
+            _fmt(r.get("round_seconds"), 2),
+        )
+    out.print(t)
+    st = Table(title=f"summary of {run_dir.name}")
+    st.add_column("")
+    st.add_column("value", justify="right")
+    for label, key, fmt in SUMMARY_ROWS:
+        if key in s:
+            st.add_row(label, fmt(s[key]))
+    out.print(st)
+    out.print(
+        f"files: {run_dir}/{{rounds.csv, devices.csv, summary.json, "
+        "accuracy_vs_round.png, accuracy_vs_bytes.png}"
+    )
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    try:
+        print_report(Path(args.run))
+    except FileNotFoundError as err:
+        console.print(f"[red]{err}[/red]")
+        return 2
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    out = Console(width=None if sys.stdout.isatty() else 120)
+    t = Table(title="comparison")
+    t.add_column("")
+    summaries = []
+    for run in args.runs:
+        try:
+            summaries.append(read_summary(Path(run)))
+        except FileNotFoundError as err:
+            console.print(f"[red]{err}[/red]")
+            return 2
+        t.add_column(Path(run).name, justify="right")
+    for label, key, fmt in SUMMARY_ROWS:
+        t.add_row(label, *(fmt(s[key]) if key in s else "-" for s in summaries))
+    out.print(t)
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    cfg = _load(args.config)
+    from shared import algorithms
+
+    try:
+        algorithms.parse_options(cfg.algorithm.name, cfg.algorithm.options)
+    except ValueError as err:
+        console.print(f"[red]{args.config}[/red]: {err}")
+        return 2
+    console.print(f"{args.config}: ok")
+    return 0
+
+
+# -- argument parsing ------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fedfleet", description=__doc__.splitlines()[0] if __doc__ else None)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run an experiment: server, aggregators and clients as processes")
+    run.add_argument("config")
+    run.add_argument("--transport", choices=["auto", "amqp", "inproc"], default="auto")
+    run.add_argument("--runs-dir", default="runs")
+    run.add_argument("--run-id")
+    run.add_argument("--rounds", type=int, help="override the config's number of rounds")
+    run.add_argument(
+        "--aggregators", type=int, help="aggregator processes (default: config processes.aggregators)"
+    )
+    run.add_argument("--clients", type=int, help="client processes (default: config processes.clients)")
+    run.add_argument("--metrics-base-port", type=int, default=9100)
+    run.set_defaults(fn=cmd_run)
+
+    def service(name: str, fn: Any) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=f"run one {name} process")
+        sp.add_argument("--config", required=True)
+        sp.add_argument(
+            "--experiment", help="experiment id on the broker (default: env FEDFLEET_EXPERIMENT, then name)"
+        )
+        sp.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0 = off)")
+        sp.set_defaults(fn=fn)
+        return sp
+
+    srv = service("server", cmd_server)
+    srv.add_argument(
+        "--run-dir", required=True, help="results and checkpoints; resumes if it holds a checkpoint"
+    )
+    agg = service("aggregator", cmd_aggregator)
+    agg.add_argument("--id")
+    cli = service("client", cmd_client)
+    cli.add_argument("--id")
+    cli.add_argument("--devices", help="device ids hosted, e.g. '0-9' or '0,2,4'")
+    cli.add_argument(
+        "--client-index", default="auto", help="host devices [i*M, (i+1)*M); 'auto' = pod ordinal"
+    )
+    cli.add_argument("--devices-per-client", type=int, default=10)
+    cli.add_argument("--state-dir")
+
+    rep = sub.add_parser("report", help="print a finished run's results")
+    rep.add_argument("run")
+    rep.set_defaults(fn=cmd_report)
+    cmp_ = sub.add_parser("compare", help="tabulate several runs side by side")
+    cmp_.add_argument("runs", nargs="+")
+    cmp_.set_defaults(fn=cmd_compare)
+    hc = sub.add_parser("healthcheck", help="exit 0 iff the local /metrics endpoint answers")
+    hc.add_argument("--port", type=int, required=True)
+    hc.set_defaults(fn=cmd_healthcheck)
+    val = sub.add_parser("validate", help="check an experiment config")
+    val.add_argument("config")
+    val.set_defaults(fn=cmd_validate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.fn(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

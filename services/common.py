@@ -1,0 +1,156 @@
+"""What every service shares: structured logging, decode-or-dead-letter, counted publishing, the loop.
+
+Why here and not in each service: "no message can crash a service" and "every byte published is
+counted" must hold for all three services in the same way, so the code that guarantees them exists
+once. Services stay thin: they own their state machine, this module owns the plumbing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from shared import codec, metrics
+from shared.schemas import DecodeError, Envelope, Kind, decode, encode
+from shared.schemas import _Body as Body
+from shared.transport import Delivery, Transport
+
+#: message kinds → the ``direction`` label of traffic metrics
+DIRECTION = {
+    Kind.TASK: "down",
+    Kind.UPDATE: "up",
+    Kind.PARTIAL: "partial",
+}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: grep-able by humans, parseable by log shippers."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for key, value in record.__dict__.items():
+            if key in ("event", "service", "round", "device", "reason", "experiment") or key.startswith("f_"):
+                out[key.removeprefix("f_")] = value
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def setup_logging(level: str = "INFO") -> None:
+    root = logging.getLogger()
+    root.handlers.clear()
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+    logging.getLogger("pika").setLevel(logging.WARNING)
+
+
+MessageHandler = Callable[[Envelope, Any, Delivery], None]
+
+
+class ServiceBase:
+    """Decoding, dead-lettering and counted publishing for one service."""
+
+    service: str = "service"
+
+    def __init__(self, transport: Transport, experiment: str, algorithm: str, max_bytes: int) -> None:
+        self.transport = transport
+        self.experiment = experiment
+        self.algorithm = algorithm
+        self.max_bytes = max_bytes
+        self.log = logging.getLogger(f"fedfleet.{self.service}")
+        self.stopped = False
+
+    # -- receiving -------------------------------------------------------------------------------
+    def dispatch(self, delivery: Delivery, handlers: Mapping[Kind, MessageHandler]) -> None:
+        """Decode, check and route one delivery; anything wrong goes to the dead-letter queue."""
+        metrics.RECEIVED_BYTES.labels(self.experiment, self.service, "any").inc(len(delivery.body))
+        if len(delivery.body) > self.max_bytes:
+            self.reject(delivery, "oversized", f"{len(delivery.body)} bytes > limit {self.max_bytes}")
+            return
+        try:
+            env, body = decode(delivery.body, max_bytes=self.max_bytes)
+        except DecodeError as err:
+            self.reject(delivery, err.reason, str(err))
+            return
+        if env.exp != self.experiment:
+            self.reject(delivery, "unknown-experiment", f"experiment {env.exp!r} is not {self.experiment!r}")
+            return
+        handler = handlers.get(env.kind)
+        if handler is None:
+            self.reject(delivery, "unexpected-kind", f"{self.service} does not accept {env.kind.value}")
+            return
+        try:
+            handler(env, body, delivery)
+        except codec.CodecError as err:
+            self.reject(delivery, err.reason if err.reason != "malformed" else "tensor", str(err))
+        except Exception as err:  # a bug or an unforeseen input must not kill the service
+            metrics.HANDLER_ERRORS.labels(self.experiment, self.service, env.kind.value).inc()
+            self.log.exception(
+                "handler failed", extra={"event": "handler_error", "reason": type(err).__name__}
+            )
+            self.reject(delivery, "handler-error", f"{type(err).__name__}: {err}")
+
+    def reject(self, delivery: Delivery, reason: str, detail: str) -> None:
+        metrics.DEAD_LETTERS.labels(self.experiment, self.service, reason).inc()
+        self.log.warning(
+            "dead-lettered a message: %s", detail, extra={"event": "dead_letter", "reason": reason}
+        )
+        if not delivery.settled:
+            self.transport.dead_letter(delivery, reason, detail)
+
+    # -- sending ---------------------------------------------------------------------------------
+    def send(
+        self,
+        key: str,
+        kind: Kind,
+        body: Body,
+        *,
+        round: int,
+        inc: str = "",
+        dense_bytes: int = 0,
+        sender: str | None = None,
+    ) -> int:
+        """Encode, publish (confirmed) and count one message; returns its wire size in bytes."""
+        data = encode(kind, body, exp=self.experiment, round=round, sender=sender or self.service, inc=inc)
+        self.transport.publish(key, data)
+        labels = (self.experiment, self.algorithm, self.service, DIRECTION.get(kind, "control"), kind.value)
+        metrics.WIRE_BYTES.labels(*labels).inc(len(data))
+        metrics.MESSAGES.labels(*labels).inc()
+        if dense_bytes:
+            metrics.DENSE_BYTES.labels(*labels).inc(dense_bytes)
+        return len(data)
+
+    # -- the loop --------------------------------------------------------------------------------
+    def tick(self) -> None:
+        """Timers (deadlines, heartbeats); called between batches of deliveries."""
+
+    def run(self, poll_s: float = 0.05) -> None:
+        while not self.stopped:
+            self.transport.process(poll_s)
+            self.tick()
+
+
+def encode_tensors(tensors: dict[str, codec.Tensor]) -> tuple[dict[str, dict[str, Any]], int]:
+    """Codec-encode named tensors; returns the encoded dicts and their dense-equivalent bytes."""
+    return {k: codec.encode(t) for k, t in tensors.items()}, sum(
+        codec.dense_bytes(t) for t in tensors.values()
+    )
+
+
+def decode_tensors(encoded: dict[str, dict[str, Any]]) -> dict[str, codec.Tensor]:
+    return {k: codec.decode(v) for k, v in encoded.items()}
+
+
+def now() -> float:
+    return time.time()

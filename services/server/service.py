@@ -1,0 +1,541 @@
+"""The server: owns the experiment — device registry, round loop, selection, deadlines, global state.
+
+A round, as a state machine driven by messages and ``tick``:
+
+``registering`` → (enough devices) → ``open``: select devices, tell the aggregators which devices may
+answer (``round_open``), send each device its task. Receipts (from aggregators) and rejects (from
+devices) arrive. When every selected device is accounted for — or the deadline passes with at least
+the quorum — → ``flushing``: ask the aggregators for their partials and merge them, until every
+receipted device is covered by exactly one accepted partial → finalize with the strategy, evaluate,
+record, checkpoint → next round, or ``done`` (broadcast ``stop``).
+
+Exactly-once: aggregators hold their acks until the server accepts the partial that contains an
+update. A partial that overlaps devices already covered is refused: a normal partial's updates are
+requeued and come back one by one (``singleton`` partials, built from redelivered messages), and a
+singleton for a covered device is a duplicate. So a crashed aggregator or a replayed update changes
+nothing in the result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import shutil
+import time
+import uuid
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from services.common import MessageHandler, ServiceBase, decode_tensors, encode_tensors
+from shared import metrics
+from shared.algorithms.base import Partial, ServerState, TaskSpec, derive_seed
+from shared.config import ExperimentConfig
+from shared.experiment import Experiment
+from shared.results import DeviceStats, plot_run, write_devices, write_rounds, write_summary
+from shared.schemas import Decision as DecisionMsg
+from shared.schemas import (
+    DeviceInfo,
+    Envelope,
+    Flush,
+    Heartbeat,
+    Kind,
+    Receipt,
+    Register,
+    Reject,
+    RoundOpen,
+    RoundSummary,
+    Stop,
+    Task,
+)
+from shared.schemas import (
+    Partial as PartialMsg,
+)
+from shared.transport import (
+    KEY_AGGREGATORS,
+    KEY_CLIENTS,
+    KEY_SERVER,
+    Delivery,
+    Transport,
+    Unroutable,
+    key_aggregator,
+    key_task,
+)
+
+FLUSH_RETRY_S = 1.0
+
+
+class Server(ServiceBase):
+    service = "server"
+
+    def __init__(
+        self,
+        transport: Transport,
+        exp: Experiment,
+        run_dir: Path,
+        *,
+        experiment_id: str,
+        flush_timeout_s: float = 30.0,
+    ) -> None:
+        cfg = exp.cfg
+        super().__init__(transport, experiment_id, cfg.algorithm.name, cfg.processes.max_message_bytes)
+        self.exp = exp
+        self.cfg: ExperimentConfig = cfg
+        self.strategy = exp.strategy
+        self.run_dir = run_dir
+        self.ckpt_dir = run_dir / "checkpoint"
+        self.flush_timeout_s = flush_timeout_s
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.registry: dict[int, DeviceInfo] = {}
+        self.devices: dict[int, DeviceStats] = {}
+        self.rows: list[dict[str, Any]] = []
+        self.totals = {"bytes_up": 0, "bytes_down": 0, "dense_bytes_up": 0, "dense_bytes_down": 0}
+        self.wall_offset = 0.0  # wall seconds spent before a resume
+        self.round = 0
+        self.phase = "registering"
+        self.state: ServerState = self.strategy.init_state()
+        self.started = time.time()
+        self.registration_deadline = self.started + cfg.registration_timeout_s
+        self._reset_round()
+        self.resumed = self._load_checkpoint()
+        self.error: str | None = None
+
+        transport.declare_queue(transport.names.server_queue, [KEY_SERVER])
+        handlers: dict[Kind, MessageHandler] = {
+            Kind.REGISTER: self.on_register,
+            Kind.HEARTBEAT: self.on_heartbeat,
+            Kind.RECEIPT: self.on_receipt,
+            Kind.REJECT: self.on_reject,
+            Kind.PARTIAL: self.on_partial,
+        }
+        transport.consume(transport.names.server_queue, lambda d: self.dispatch(d, handlers), prefetch=64)
+        metrics.DENSITY.labels(self.experiment, self.algorithm).set(self.strategy.density(self.state))
+        self.log.info(
+            "server ready",
+            extra={"event": "server_ready", "f_incarnation": self.incarnation, "f_resumed_round": self.round},
+        )
+
+    # -- round bookkeeping -----------------------------------------------------------------------
+    def _reset_round(self) -> None:
+        self.selected: list[int] = []
+        self.receipts: dict[int, Receipt] = {}
+        self.rejects: dict[int, Reject] = {}
+        self.unreachable: set[int] = set()
+        self.covered: set[int] = set()
+        self.merged: Partial | None = None
+        self.round_started = 0.0
+        self.deadline = math.inf
+        self.flush_deadline = math.inf
+        self.last_flush = 0.0
+        self.round_down_bytes = 0
+        self.round_dense_down = 0
+        self.task_bytes: dict[int, int] = {}
+
+    def _stats(self, device_id: int) -> DeviceStats:
+        st = self.devices.get(device_id)
+        if st is None:
+            tier = self.registry[device_id].tier if device_id in self.registry else "default"
+            st = self.devices[device_id] = DeviceStats(device_id, tier)
+        return st
+
+    # -- handlers --------------------------------------------------------------------------------
+    def on_register(self, env: Envelope, msg: Register, d: Delivery) -> None:
+        new = 0
+        for info in msg.devices:
+            if info.device_id >= self.cfg.num_devices:
+                self.log.warning(
+                    "ignoring device %d outside the fleet", info.device_id, extra={"event": "register"}
+                )
+                continue
+            new += info.device_id not in self.registry
+            self.registry[info.device_id] = info
+            self._stats(info.device_id).tier = info.tier
+        if new:
+            tiers: dict[str, int] = {}
+            for info in self.registry.values():
+                tiers[info.tier] = tiers.get(info.tier, 0) + 1
+            for tier, n in tiers.items():
+                metrics.REGISTERED_DEVICES.labels(self.experiment, tier).set(n)
+            self.log.info(
+                "%d devices registered by %s (%d known)",
+                new,
+                msg.client_id,
+                len(self.registry),
+                extra={"event": "register"},
+            )
+        d.ack()
+
+    def on_heartbeat(self, env: Envelope, msg: Heartbeat, d: Delivery) -> None:
+        d.ack()
+
+    def _current(self, env: Envelope) -> bool:
+        return env.inc == self.incarnation and env.round == self.round and self.phase in ("open", "flushing")
+
+    def on_receipt(self, env: Envelope, msg: Receipt, d: Delivery) -> None:
+        if self._current(env) and msg.device_id in self.selected:
+            self.receipts.setdefault(msg.device_id, msg)
+        d.ack()
+
+    def on_reject(self, env: Envelope, msg: Reject, d: Delivery) -> None:
+        if self._current(env) and msg.device_id in self.selected and msg.device_id not in self.rejects:
+            self.rejects[msg.device_id] = msg
+            tier = self._stats(msg.device_id).tier
+            metrics.REJECTIONS.labels(self.experiment, self.algorithm, tier, msg.reason).inc()
+            metrics.MEMORY_FOOTPRINT_BYTES.labels(self.experiment, self.algorithm, tier).set(
+                msg.footprint_bytes
+            )
+            self.log.info(
+                "device %d refused its task: %s (%s)",
+                msg.device_id,
+                msg.reason,
+                msg.detail,
+                extra={"event": "reject", "device": msg.device_id, "reason": msg.reason},
+            )
+        d.ack()
+
+    def on_partial(self, env: Envelope, msg: PartialMsg, d: Delivery) -> None:
+        def decide(accepted: bool, reason: str = "") -> None:
+            self.send(
+                key_aggregator(msg.aggregator_id),
+                Kind.DECISION,
+                DecisionMsg(seq=msg.seq, accepted=accepted, reason=reason),
+                round=env.round,
+                inc=env.inc,
+            )
+
+        if not self._current(env):
+            decide(False, "stale")
+        elif set(msg.devices) & self.covered:
+            decide(False, "duplicate" if msg.singleton else "overlap")
+            self.log.info(
+                "refused partial %s/%d: devices already covered",
+                msg.aggregator_id,
+                msg.seq,
+                extra={"event": "partial_refused"},
+            )
+        elif not set(msg.devices) <= set(self.selected):
+            decide(False, "unknown-device")
+        else:
+            partial = Partial.from_wire(decode_tensors(msg.tensors), msg.scalars)
+            self.merged = partial if self.merged is None else self.strategy.merge(self.merged, partial)
+            self.covered.update(msg.devices)
+            decide(True)
+        d.ack()
+
+    # -- timers ----------------------------------------------------------------------------------
+    def tick(self) -> None:
+        now = time.time()
+        if self.phase == "registering":
+            if len(self.registry) >= self.cfg.num_devices:
+                self._open_round()
+            elif now > self.registration_deadline:
+                if len(self.registry) >= self.cfg.devices_per_round:
+                    self.log.warning(
+                        "starting with %d of %d devices registered",
+                        len(self.registry),
+                        self.cfg.num_devices,
+                        extra={"event": "registration_timeout"},
+                    )
+                    self._open_round()
+                else:
+                    self.error = (
+                        f"only {len(self.registry)} of {self.cfg.num_devices} devices registered within "
+                        f"{self.cfg.registration_timeout_s:.0f}s "
+                        f"(need at least {self.cfg.devices_per_round}); "
+                        "are the client processes running and pointed at the same broker and experiment?"
+                    )
+                    self.log.error(self.error, extra={"event": "registration_failed"})
+                    self.stopped = True
+        elif self.phase == "open":
+            accounted = set(self.receipts) | set(self.rejects) | self.unreachable
+            if accounted >= set(self.selected):
+                self._start_flush(now)
+            elif now >= self.deadline:
+                if len(self.receipts) >= self.quorum and self.receipts:
+                    self._start_flush(now)
+                else:
+                    self._finalize("below-quorum")
+        elif self.phase == "flushing":
+            if self.covered >= set(self.receipts):
+                self._finalize("completed")
+            elif now >= self.flush_deadline:
+                lost = sorted(set(self.receipts) - self.covered)
+                self.log.error(
+                    "flush timed out; %d receipted updates never arrived in a partial: %s",
+                    len(lost),
+                    lost[:10],
+                    extra={"event": "flush_timeout"},
+                )
+                self._finalize("completed" if self.covered else "below-quorum")
+            elif now - self.last_flush >= FLUSH_RETRY_S:
+                self._broadcast_flush(now)
+
+    @property
+    def quorum(self) -> int:
+        return max(1, math.ceil(self.cfg.quorum_fraction * len(self.selected)))
+
+    # -- the round -------------------------------------------------------------------------------
+    def _select(self, round: int) -> list[int]:
+        rng = np.random.default_rng(derive_seed(self.cfg.seed, "select", round) % (2**32))
+        candidates = sorted(self.registry)
+        k = min(self.cfg.devices_per_round, len(candidates))
+        return sorted(int(x) for x in rng.choice(candidates, size=k, replace=False))
+
+    def _open_round(self) -> None:
+        self._reset_round()
+        self.round += 1
+        self.phase = "open"
+        self.selected = self._select(self.round)
+        self.round_started = time.time()
+        self.deadline = self.round_started + self.cfg.round_timeout_s
+        labels = (self.experiment, self.algorithm)
+        metrics.ROUND.labels(*labels).set(self.round)
+        metrics.ROUND_OPEN.labels(*labels).set(1)
+        metrics.ROUND_STARTED.labels(*labels).set(self.round_started)
+        metrics.ROUND_DEADLINE.labels(*labels).set(self.deadline)
+        self.send(
+            KEY_AGGREGATORS,
+            Kind.ROUND_OPEN,
+            RoundOpen(selected=self.selected, deadline_unix=self.deadline),
+            round=self.round,
+            inc=self.incarnation,
+        )
+        tasks = self.strategy.plan(self.state, self.round, self.selected)
+        encoded: dict[int, tuple[dict[str, Any], int]] = {}  # by id(TaskSpec): encode shared tasks once
+        for dev in self.selected:
+            spec: TaskSpec = tasks[dev]
+            if id(spec) not in encoded:
+                encoded[id(spec)] = encode_tensors(spec.tensors)
+            tensors, dense = encoded[id(spec)]
+            st = self._stats(dev)
+            st.selected += 1
+            metrics.SELECTED.labels(self.experiment, self.algorithm, st.tier).inc()
+            try:
+                n = self.send(
+                    key_task(dev),
+                    Kind.TASK,
+                    Task(device_id=dev, tensors=tensors, config=spec.config),
+                    round=self.round,
+                    inc=self.incarnation,
+                    dense_bytes=dense,
+                )
+            except Unroutable:
+                self.unreachable.add(dev)
+                self.log.warning("no client hosts device %d any more", dev, extra={"event": "unreachable"})
+                continue
+            self.task_bytes[dev] = n
+            self.round_down_bytes += n
+            self.round_dense_down += dense
+            st.bytes_down += n
+            metrics.DEVICE_ROUND_BYTES.labels(self.experiment, self.algorithm, "down", st.tier).observe(n)
+        self.log.info(
+            "round %d opened with %d devices",
+            self.round,
+            len(self.selected),
+            extra={"event": "round_open", "round": self.round},
+        )
+
+    def _broadcast_flush(self, now: float) -> None:
+        self.last_flush = now
+        self.send(KEY_AGGREGATORS, Kind.FLUSH, Flush(), round=self.round, inc=self.incarnation)
+
+    def _start_flush(self, now: float) -> None:
+        self.phase = "flushing"
+        self.flush_deadline = now + self.flush_timeout_s
+        self._broadcast_flush(now)
+
+    def _finalize(self, outcome: str) -> None:
+        labels = (self.experiment, self.algorithm)
+        merged = self.merged if outcome == "completed" else None
+        self.state = self.strategy.finalize(self.state, merged, self.round)
+        participants = sorted(self.covered) if merged is not None else []
+        up = dense_up = 0
+        vsec = 0.0
+        for dev in participants:
+            r = self.receipts.get(dev)
+            st = self._stats(dev)
+            st.completed += 1
+            if r is not None:
+                up += r.update_bytes
+                dense_up += r.dense_bytes
+                st.bytes_up += r.update_bytes
+                t = sum(r.timings.values())
+                st.virtual_seconds += t
+                vsec = max(vsec, t)
+                metrics.DEVICE_ROUND_BYTES.labels(self.experiment, self.algorithm, "up", st.tier).observe(
+                    r.update_bytes
+                )
+            metrics.PARTICIPANTS.labels(self.experiment, self.algorithm, st.tier).inc()
+        for dev in self.rejects:
+            self._stats(dev).rejected += 1
+        dropped = [d for d in self.selected if d not in self.covered and d not in self.rejects]
+        for dev in dropped:
+            st = self._stats(dev)
+            st.dropped += 1
+            reason = "unreachable" if dev in self.unreachable else "deadline"
+            metrics.DROPOUTS.labels(self.experiment, self.algorithm, st.tier, reason).inc()
+        ev: dict[str, float] = {}
+        if self.round % self.cfg.eval_every == 0 or self.round == self.cfg.rounds:
+            ev = self.strategy.evaluate(self.state, self.exp.dataset.x_test, self.exp.dataset.y_test)
+            if "accuracy" in ev:
+                metrics.ACCURACY.labels(*labels).set(ev["accuracy"])
+            if "loss" in ev:
+                metrics.LOSS.labels(*labels).set(ev["loss"])
+        density = self.strategy.density(self.state)
+        metrics.DENSITY.labels(*labels).set(density)
+        self.totals["bytes_up"] += up
+        self.totals["bytes_down"] += self.round_down_bytes
+        self.totals["dense_bytes_up"] += dense_up
+        self.totals["dense_bytes_down"] += self.round_dense_down
+        now = time.time()
+        row = {
+            "round": self.round,
+            "outcome": outcome,
+            "accuracy": ev.get("accuracy"),
+            "loss": ev.get("loss"),
+            "bytes_up": up,
+            "bytes_down": self.round_down_bytes,
+            "dense_bytes_up": dense_up,
+            "dense_bytes_down": self.round_dense_down,
+            "cum_bytes_up": self.totals["bytes_up"],
+            "cum_bytes_down": self.totals["bytes_down"],
+            "participants": len(participants),
+            "selected": len(self.selected),
+            "rejected": len(self.rejects),
+            "dropped": len(dropped),
+            "wall_seconds": self.wall_offset + now - self.started,
+            "round_seconds": now - self.round_started,
+            "virtual_seconds": vsec,
+            "density": density,
+        }
+        self.rows.append(row)
+        metrics.ROUND_DURATION.labels(*labels).observe(now - self.round_started)
+        metrics.ROUNDS_COMPLETED.labels(self.experiment, self.algorithm, outcome).inc()
+        metrics.ROUND_OPEN.labels(*labels).set(0)
+        self.log.info(
+            "round %d %s: %d/%d participants, accuracy %s",
+            self.round,
+            outcome,
+            len(participants),
+            len(self.selected),
+            f"{ev['accuracy']:.4f}" if "accuracy" in ev else "-",
+            extra={"event": "round_done", "round": self.round, "f_outcome": outcome},
+        )
+        self.send(
+            KEY_AGGREGATORS,
+            Kind.ROUND_SUMMARY,
+            RoundSummary(
+                outcome=outcome,
+                accuracy=ev.get("accuracy"),
+                loss=ev.get("loss"),
+                participants=len(participants),
+            ),
+            round=self.round,
+            inc=self.incarnation,
+        )
+        write_rounds(self.run_dir, self.rows)
+        self._save_checkpoint()
+        self.phase = "between"
+        if self.round >= self.cfg.rounds:
+            self._finish()
+        else:
+            self._open_round()
+
+    def _finish(self) -> None:
+        self.phase = "done"
+        self.write_results()  # before stopping the others: a caller may treat their exit as "done"
+        for key in (KEY_CLIENTS, KEY_AGGREGATORS):
+            with contextlib.suppress(Unroutable):
+                self.send(key, Kind.STOP, Stop(), round=self.round, inc=self.incarnation)
+        self.stopped = True
+
+    # -- results and checkpoints -----------------------------------------------------------------
+    def summary(self) -> dict[str, Any]:
+        accs = [r["accuracy"] for r in self.rows if r.get("accuracy") is not None]
+        tiers: dict[str, dict[str, float]] = {}
+        for st in self.devices.values():
+            t = tiers.setdefault(
+                st.tier, {"devices": 0, "selected": 0, "completed": 0, "rejected": 0, "dropped": 0}
+            )
+            t["devices"] += 1
+            for k in ("selected", "completed", "rejected", "dropped"):
+                t[k] += getattr(st, k)
+        return {
+            "experiment": self.experiment,
+            "name": self.cfg.name,
+            "algorithm": self.algorithm,
+            "transport": self.transport.kind,
+            "dataset": self.cfg.dataset.name,
+            "model": self.cfg.model.name,
+            "seed": self.cfg.seed,
+            "rounds": len(self.rows),
+            "rounds_completed": sum(r["outcome"] == "completed" for r in self.rows),
+            "final_accuracy": accs[-1] if accs else None,
+            "best_accuracy": max(accs) if accs else None,
+            **self.totals,
+            "compression_up": self.totals["bytes_up"] / self.totals["dense_bytes_up"]
+            if self.totals["dense_bytes_up"]
+            else None,
+            "wall_seconds": self.rows[-1]["wall_seconds"] if self.rows else 0.0,
+            "virtual_seconds": sum(r["virtual_seconds"] for r in self.rows),
+            "final_density": self.rows[-1]["density"] if self.rows else 1.0,
+            "tiers": tiers,
+        }
+
+    def write_results(self) -> None:
+        write_rounds(self.run_dir, self.rows)
+        write_devices(self.run_dir, list(self.devices.values()))
+        write_summary(self.run_dir, self.summary())
+        np.savez(self.run_dir / "global_model.npz", **self.state.arrays)  # type: ignore[arg-type]
+        plot_run(self.run_dir, self.rows, f"{self.cfg.name} ({self.algorithm})")
+
+    def _save_checkpoint(self) -> None:
+        """Atomically write the state after a finished round (write to a temp dir, then rename)."""
+        tmp = self.run_dir / "checkpoint.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        np.savez(tmp / "state.npz", **self.state.arrays)  # type: ignore[arg-type]
+        meta = {
+            "round": self.round,
+            "state_meta": self.state.meta,
+            "registry": {str(k): v.model_dump() for k, v in self.registry.items()},
+            "devices": [asdict(s) for s in self.devices.values()],
+            "rows": self.rows,
+            "totals": self.totals,
+            "wall_seconds": self.wall_offset + time.time() - self.started,
+        }
+        (tmp / "state.json").write_text(json.dumps(meta))
+        old = self.run_dir / "checkpoint.old"
+        shutil.rmtree(old, ignore_errors=True)
+        if self.ckpt_dir.exists():
+            self.ckpt_dir.rename(old)
+        tmp.rename(self.ckpt_dir)
+        shutil.rmtree(old, ignore_errors=True)
+
+    def _load_checkpoint(self) -> bool:
+        path = self.ckpt_dir / "state.json"
+        if not path.exists():
+            return False
+        meta = json.loads(path.read_text())
+        with np.load(self.ckpt_dir / "state.npz", allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+        self.state = ServerState(arrays, meta["state_meta"])
+        self.round = int(meta["round"])
+        self.registry = {int(k): DeviceInfo.model_validate(v) for k, v in meta["registry"].items()}
+        self.devices = {d["device_id"]: DeviceStats(**d) for d in meta["devices"]}
+        self.rows = meta["rows"]
+        self.totals = meta["totals"]
+        self.wall_offset = float(meta["wall_seconds"])
+        self.log.info("resuming after round %d from %s", self.round, self.ckpt_dir, extra={"event": "resume"})
+        if self.round >= self.cfg.rounds:
+            self.phase = "done"
+        return True
+
+    def run(self, poll_s: float = 0.05) -> None:
+        if self.phase == "done":  # resumed a finished run: rewrite results and say so
+            self.write_results()
+            return
+        super().run(poll_s)

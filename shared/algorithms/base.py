@@ -1,0 +1,211 @@
+"""The strategy interface: one algorithm = one module holding all of its halves.
+
+Why this shape (after Flower's ``Strategy`` and FLSim's channel hooks): the services are generic
+plumbing and must know nothing about any algorithm, while a reader of ``fedavg.py`` or ``spafl.py``
+should find the whole story of that algorithm in one file:
+
+* **server half** — ``init_state`` / ``plan`` / ``finalize`` / ``evaluate``: what each device gets
+  each round, and how the merged partial becomes the next global state;
+* **client half** — ``train``: what a device does with its task, its local data and local state;
+* **aggregation half** — ``reduce`` / ``merge``: an associative, commutative reduction into a
+  ``Partial`` (sums and counts per coordinate), so any number of aggregators and any arrival order
+  give the same result, in memory O(model) rather than O(updates);
+* **accounting** — ``task_footprint`` / ``task_flops``: what a task costs a device, so admission,
+  emulated compute time and reports agree.
+
+Payload tensors are ``shared.codec`` tensors (dense, sparse, sliced, thresholds), so the bytes on the
+wire are whatever the algorithm really needs to send.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from shared import codec
+from shared.config import TrainConfig
+
+
+class NoOptions(BaseModel):
+    """Options model for algorithms without options: any key is an error."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+@dataclass
+class ServerState:
+    """The server-side global state: named arrays (checkpointed as .npz) plus JSON-able metadata."""
+
+    arrays: dict[str, np.ndarray]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TaskSpec:
+    """What one device receives in one round."""
+
+    tensors: dict[str, codec.Tensor] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class UpdateSpec:
+    """What one device sends back."""
+
+    tensors: dict[str, codec.Tensor]
+    num_samples: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Partial:
+    """An associative reduction of some updates: float64 sums/counts per name plus scalar sums."""
+
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    scalars: dict[str, float] = field(default_factory=dict)
+
+    def add(self, other: Partial) -> Partial:
+        """Elementwise sum, in place; names present in only one side are kept."""
+        for name, arr in other.arrays.items():
+            mine = self.arrays.get(name)
+            self.arrays[name] = arr.astype(np.float64, copy=True) if mine is None else mine + arr
+        for name, val in other.scalars.items():
+            self.scalars[name] = self.scalars.get(name, 0.0) + val
+        return self
+
+    def to_wire(self) -> tuple[dict[str, codec.Tensor], dict[str, float]]:
+        return {
+            k: codec.Dense(np.ascontiguousarray(v, dtype=np.float64)) for k, v in self.arrays.items()
+        }, dict(self.scalars)
+
+    @staticmethod
+    def from_wire(tensors: Mapping[str, codec.Tensor], scalars: Mapping[str, float]) -> Partial:
+        arrays = {}
+        for k, t in tensors.items():
+            if not isinstance(t, codec.Dense):
+                raise codec.CodecError(
+                    "tensor", f"partial tensor {k!r} must be dense, got {type(t).__name__}"
+                )
+            arrays[k] = np.asarray(t.array, dtype=np.float64)
+        return Partial(arrays, dict(scalars))
+
+
+@dataclass
+class DeviceData:
+    """A device's local data (train split, optional personal test split)."""
+
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+
+
+@dataclass
+class DeviceContext:
+    """Everything the client half may use for one task on one device."""
+
+    device_id: int
+    round: int
+    data: DeviceData
+    #: a directory private to this device for state that must survive a client restart
+    state_dir: Path
+    #: seed for this (experiment seed, round, device): training is deterministic wherever it runs
+    seed: int
+    tier: str = "default"
+
+
+@dataclass
+class StrategyContext:
+    """What a strategy is built from (the same on server, aggregators and clients)."""
+
+    model_factory: Callable[[], torch.nn.Module]
+    input_shape: tuple[int, ...]
+    num_classes: int
+    train: TrainConfig
+    seed: int
+    options: BaseModel
+
+
+def derive_seed(*parts: int | str) -> int:
+    """A stable 63-bit seed from parts (not Python's salted ``hash``)."""
+    h = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+class Strategy(ABC):
+    """Base class of every algorithm; see the module docstring for the four halves."""
+
+    name: ClassVar[str]
+    Options: ClassVar[type[BaseModel]] = NoOptions
+    #: True when devices keep personal models and accuracy is measured on their own test split
+    personalised: ClassVar[bool] = False
+
+    def __init__(self, ctx: StrategyContext) -> None:
+        self.ctx = ctx
+        self.options = ctx.options
+
+    # -- server half -------------------------------------------------------------------------------
+    @abstractmethod
+    def init_state(self) -> ServerState: ...
+
+    @abstractmethod
+    def plan(self, state: ServerState, round: int, devices: list[int]) -> dict[int, TaskSpec]: ...
+
+    @abstractmethod
+    def finalize(self, state: ServerState, partial: Partial | None, round: int) -> ServerState:
+        """Turn the merged partial of a round (None if nothing arrived) into the next state."""
+
+    def evaluate(self, state: ServerState, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
+        """Central evaluation of the global model; personalised algorithms report device metrics."""
+        return {}
+
+    def density(self, state: ServerState) -> float:
+        return 1.0
+
+    # -- client half -------------------------------------------------------------------------------
+    @abstractmethod
+    def train(self, task: TaskSpec, device: DeviceContext) -> UpdateSpec: ...
+
+    # -- aggregation half --------------------------------------------------------------------------
+    @abstractmethod
+    def validate_update(self, update: UpdateSpec) -> None:
+        """Raise ``codec.CodecError('tensor', ...)`` if the update does not fit the model."""
+
+    @abstractmethod
+    def reduce(self, partial: Partial, update: UpdateSpec) -> Partial:
+        """Fold one update into ``partial`` (may mutate and return it)."""
+
+    def merge(self, a: Partial, b: Partial) -> Partial:
+        return a.add(b)
+
+    # -- accounting --------------------------------------------------------------------------------
+    def task_param_names(self, task: TaskSpec) -> set[str] | None:
+        """Parameters the task trains (None = all); used by the memory accountant."""
+        return None
+
+
+def model_arrays(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    """A model's state (parameters and buffers) as float32 numpy arrays, in a stable order."""
+    out = {}
+    for name, t in model.state_dict().items():
+        arr = t.detach().cpu().numpy()
+        out[name] = arr.astype(np.float32) if arr.dtype.kind == "f" else arr.copy()
+    return out
+
+
+def load_arrays(model: torch.nn.Module, arrays: Mapping[str, np.ndarray]) -> None:
+    sd = model.state_dict()
+    missing = set(sd) - set(arrays)
+    if missing:
+        raise KeyError(f"missing tensors for {sorted(missing)[:5]}")
+    model.load_state_dict(
+        {k: torch.from_numpy(np.array(arrays[k], dtype=sd[k].numpy().dtype, copy=True)) for k in sd}
+    )

@@ -1,0 +1,90 @@
+"""FedAvg (McMahan et al., 2017): every device trains the whole model; the server takes the
+sample-weighted mean.
+
+It is the baseline every paper in ``../shared/seeds`` compares against, and the simplest instance of
+the strategy interface: dense weights down, dense weights up, a weighted sum as the partial.
+Integer buffers (BatchNorm's ``num_batches_tracked``) stay on the server and are not averaged.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from shared import codec
+from shared.algorithms.base import (
+    DeviceContext,
+    Partial,
+    ServerState,
+    Strategy,
+    TaskSpec,
+    UpdateSpec,
+    load_arrays,
+    model_arrays,
+)
+from shared.algorithms.training import evaluate, local_sgd
+
+
+class FedAvg(Strategy):
+    name = "fedavg"
+
+    # -- server half -------------------------------------------------------------------------------
+    def init_state(self) -> ServerState:
+        return ServerState(model_arrays(self.ctx.model_factory()))
+
+    def _float_names(self, state: ServerState) -> list[str]:
+        return [k for k, v in state.arrays.items() if v.dtype.kind == "f"]
+
+    def plan(self, state: ServerState, round: int, devices: list[int]) -> dict[int, TaskSpec]:
+        # One TaskSpec object for everyone: the server encodes it once and reuses the bytes.
+        task = TaskSpec({k: codec.Dense(state.arrays[k]) for k in self._float_names(state)})
+        return dict.fromkeys(devices, task)
+
+    def finalize(self, state: ServerState, partial: Partial | None, round: int) -> ServerState:
+        if partial is None or partial.scalars.get("weight", 0.0) <= 0:
+            return state
+        weight = partial.scalars["weight"]
+        arrays = dict(state.arrays)
+        for name, total in partial.arrays.items():
+            arrays[name] = (total / weight).astype(state.arrays[name].dtype)
+        return ServerState(arrays, dict(state.meta))
+
+    def evaluate(self, state: ServerState, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
+        model = self.ctx.model_factory()
+        load_arrays(model, state.arrays)
+        return evaluate(model, x, y)
+
+    # -- client half -------------------------------------------------------------------------------
+    def train(self, task: TaskSpec, device: DeviceContext) -> UpdateSpec:
+        model = self.ctx.model_factory()
+        current = model_arrays(model)
+        for name, t in task.tensors.items():
+            current[name] = np.asarray(t.array) if isinstance(t, codec.Dense) else t.to_dense()  # type: ignore[union-attr]
+        load_arrays(model, current)
+        metrics = local_sgd(model, device.data.x_train, device.data.y_train, self.ctx.train, device.seed)
+        trained = model_arrays(model)
+        return UpdateSpec(
+            {k: codec.Dense(trained[k]) for k in task.tensors},
+            num_samples=len(device.data.y_train),
+            metrics=metrics,
+        )
+
+    # -- aggregation half --------------------------------------------------------------------------
+    def validate_update(self, update: UpdateSpec) -> None:
+        expected = {k: v for k, v in model_arrays(self.ctx.model_factory()).items() if v.dtype.kind == "f"}
+        if set(update.tensors) != set(expected):
+            raise codec.CodecError(
+                "tensor", f"update names {sorted(update.tensors)[:4]}... do not match the model"
+            )
+        for k, t in update.tensors.items():
+            if not isinstance(t, codec.Dense) or t.array.shape != expected[k].shape:
+                raise codec.CodecError("tensor", f"{k}: expected dense {expected[k].shape}")
+        if update.num_samples <= 0:
+            raise codec.CodecError("tensor", "num_samples must be positive")
+
+    def reduce(self, partial: Partial, update: UpdateSpec) -> Partial:
+        n = float(update.num_samples)
+        contribution = Partial(
+            {k: np.asarray(t.array, dtype=np.float64) * n for k, t in update.tensors.items()},  # type: ignore[union-attr]
+            {"weight": n},
+        )
+        return partial.add(contribution)

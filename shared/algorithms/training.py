@@ -1,0 +1,75 @@
+"""Local training and evaluation loops shared by the algorithms' client and server halves.
+
+Why shared: every algorithm trains "some parameters of some model on local data with SGD"; what
+differs is which parameters, which penalty and what happens after each step. Those differences enter
+through the arguments, so the loop (seeded shuffling, batching, the optimizer) exists once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import numpy as np
+import torch
+from torch import nn
+
+from shared.config import TrainConfig
+
+#: training is single-threaded per process: several client processes share the cores, and a fixed
+#: thread count keeps float results identical whichever process trains a device.
+torch.set_num_threads(1)
+
+
+def local_sgd(
+    model: nn.Module,
+    x: np.ndarray,
+    y: np.ndarray,
+    train: TrainConfig,
+    seed: int,
+    *,
+    params: Iterable[nn.Parameter] | None = None,
+    penalty: Callable[[nn.Module], torch.Tensor] | None = None,
+    after_step: Callable[[nn.Module], None] | None = None,
+    epochs: int | None = None,
+) -> dict[str, float]:
+    """Run SGD over the local data; returns the mean training loss and the number of steps."""
+    model.train()
+    trainable = list(params) if params is not None else [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(trainable, lr=train.lr, momentum=train.momentum, weight_decay=train.weight_decay)
+    rng = np.random.default_rng(seed)
+    xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    yt = torch.from_numpy(np.ascontiguousarray(y, dtype=np.int64))
+    n = len(yt)
+    losses: list[float] = []
+    loss_fn = nn.CrossEntropyLoss()
+    for _ in range(epochs if epochs is not None else train.local_epochs):
+        order = torch.from_numpy(rng.permutation(n))
+        for start in range(0, n, train.batch_size):
+            idx = order[start : start + train.batch_size]
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(model(xt[idx]), yt[idx])
+            total = loss + penalty(model) if penalty is not None else loss
+            total.backward()
+            opt.step()
+            if after_step is not None:
+                after_step(model)
+            losses.append(float(loss.detach()))
+    return {"train_loss": float(np.mean(losses)) if losses else 0.0, "steps": float(len(losses))}
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray, batch_size: int = 1024) -> dict[str, float]:
+    """Accuracy and mean cross-entropy on (x, y)."""
+    model.eval()
+    if len(y) == 0:
+        return {"accuracy": 0.0, "loss": 0.0}
+    correct = 0
+    loss_sum = 0.0
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")
+    for start in range(0, len(y), batch_size):
+        xb = torch.from_numpy(np.ascontiguousarray(x[start : start + batch_size], dtype=np.float32))
+        yb = torch.from_numpy(np.ascontiguousarray(y[start : start + batch_size], dtype=np.int64))
+        out = model(xb)
+        loss_sum += float(loss_fn(out, yb))
+        correct += int((out.argmax(1) == yb).sum())
+    return {"accuracy": correct / len(y), "loss": loss_sum / len(y)}

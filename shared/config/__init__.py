@@ -1,0 +1,169 @@
+"""The experiment config: one YAML file, validated by pydantic, shared by every service.
+
+Why strict: a misspelt key (``devices_per_rund: 10``) that is silently ignored makes a run answer a
+different question than the one asked. Every model here forbids unknown keys, and ``load_config``
+turns pydantic's errors into one message that names the file, the dotted key and, when there is one,
+the closest valid key.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be used, with a message that says where and why."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DatasetConfig(_Strict):
+    name: str = "digits"
+    path: str | None = None
+    partition: Literal["iid", "dirichlet", "classes", "shards"] = "iid"
+    alpha: float = Field(0.5, gt=0)
+    classes_per_device: int = Field(2, ge=1)
+    shards_per_device: int = Field(2, ge=1)
+    #: fraction of each device's samples held out for personalised evaluation (0 = none)
+    local_test_fraction: float = Field(0.0, ge=0, lt=1)
+    #: use only the first N training samples (None = all); the benchmark workload uses 1500 of digits
+    train_limit: int | None = Field(None, ge=1)
+
+
+class ModelConfig(_Strict):
+    name: str = "mlp"
+    #: extra keyword arguments for ``shared.models.build_model`` (e.g. ``hidden: [128, 64]``)
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class AlgorithmConfig(_Strict):
+    name: str = "fedavg"
+    #: algorithm-specific options, validated by the algorithm's own ``Options`` model
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class TrainConfig(_Strict):
+    local_epochs: int = Field(1, ge=1)
+    batch_size: int = Field(32, ge=1)
+    lr: float = Field(0.05, gt=0)
+    momentum: float = Field(0.0, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+
+
+class ProcessConfig(_Strict):
+    """How ``fedfleet run`` lays the services out as OS processes."""
+
+    aggregators: int = Field(1, ge=1)
+    clients: int = Field(2, ge=1)
+    #: updates an aggregator may hold unacknowledged before it flushes a partial on its own
+    prefetch: int = Field(32, ge=2)
+    #: messages larger than this are dead-lettered unread (bytes)
+    max_message_bytes: int = Field(256 * 1024 * 1024, ge=1024)
+
+
+class ExperimentConfig(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+    seed: int = 0
+    rounds: int = Field(ge=1)
+    num_devices: int = Field(ge=1)
+    devices_per_round: int = Field(ge=1)
+    #: wall-clock seconds a round may stay open before it closes with whatever reached the quorum
+    round_timeout_s: float = Field(60.0, gt=0)
+    #: fraction of the selected devices whose updates must arrive for a round to count
+    quorum_fraction: float = Field(0.5, gt=0, le=1)
+    #: seconds the server waits for its devices to register before the first round
+    registration_timeout_s: float = Field(120.0, gt=0)
+    eval_every: int = Field(1, ge=1)
+    dataset: DatasetConfig = Field(default_factory=DatasetConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    processes: ProcessConfig = Field(default_factory=ProcessConfig)
+    #: device fleet (profiles, budgets); None = uniform unconstrained devices
+    fleet: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_counts(self) -> ExperimentConfig:
+        if self.devices_per_round > self.num_devices:
+            raise ValueError(
+                f"devices_per_round ({self.devices_per_round}) exceeds num_devices ({self.num_devices})"
+            )
+        return self
+
+
+def _valid_keys(model: type[BaseModel], loc: tuple[str | int, ...]) -> list[str]:
+    """The field names allowed at ``loc`` (for 'did you mean' hints)."""
+    current: Any = model
+    for part in loc[:-1]:
+        field = getattr(current, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        ann = field.annotation
+        current = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+        if current is None:
+            return []
+    return list(getattr(current, "model_fields", {}))
+
+
+def explain(err: ValidationError, source: str, model: type[BaseModel] = ExperimentConfig) -> str:
+    """Render pydantic errors as lines a person can act on, naming ``source`` and each dotted key."""
+    lines = []
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        key = ".".join(str(p) for p in loc) or "<top level>"
+        if e["type"] == "extra_forbidden":
+            hint = difflib.get_close_matches(str(loc[-1]), _valid_keys(model, loc), n=1)
+            extra = f" (did you mean '{hint[0]}'?)" if hint else ""
+            lines.append(f"{source}: unknown key '{key}'{extra}")
+        else:
+            lines.append(f"{source}: '{key}': {e['msg']}")
+    return "\n".join(lines)
+
+
+def parse_config(data: Any, source: str = "<config>") -> ExperimentConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of keys, got {type(data).__name__}")
+    try:
+        return ExperimentConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(explain(err, source)) from None
+
+
+def load_config(path: str | os.PathLike[str]) -> ExperimentConfig:
+    """Read and validate an experiment YAML file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{p}: no such config file")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{p}: not valid YAML: {err}") from None
+    return parse_config(data, str(p))
+
+
+def dump_config(cfg: ExperimentConfig) -> str:
+    """The resolved config (defaults filled in) as YAML, written next to every run's results."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+class Settings(BaseSettings):
+    """Process settings from the environment (deployment concerns, not experiment design)."""
+
+    model_config = SettingsConfigDict(env_prefix="FEDFLEET_", extra="ignore")
+
+    rabbitmq_url: str = Field(
+        default="amqp://guest:guest@127.0.0.1:5672/%2F",
+        validation_alias="RABBITMQ_URL",
+    )
+    metrics_port: int | None = None
+    experiment: str | None = None
+    log_level: str = "INFO"

@@ -1,0 +1,85 @@
+"""Turn a validated config into the live pieces every service needs: data, partition, model, strategy.
+
+Why one builder: the server, every aggregator and every client process build the *same* experiment
+from the same YAML, independently. Determinism (same seed → same partition, same initial model) is
+what lets a device be hosted by any client process and still train identically.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+import torch
+
+from shared import algorithms
+from shared.algorithms.base import DeviceData, Strategy, StrategyContext, derive_seed
+from shared.config import ExperimentConfig
+from shared.data import Dataset, load_dataset, partition, split_local
+from shared.models import build_model
+
+
+@dataclass
+class Experiment:
+    cfg: ExperimentConfig
+    dataset: Dataset
+
+    @classmethod
+    def build(cls, cfg: ExperimentConfig) -> Experiment:
+        ds = load_dataset(cfg.dataset.name, cfg.dataset.path)
+        return cls(cfg, ds)
+
+    @property
+    def train_x(self) -> np.ndarray:
+        limit = self.cfg.dataset.train_limit
+        return self.dataset.x_train[:limit] if limit else self.dataset.x_train
+
+    @property
+    def train_y(self) -> np.ndarray:
+        limit = self.cfg.dataset.train_limit
+        return self.dataset.y_train[:limit] if limit else self.dataset.y_train
+
+    @cached_property
+    def partitions(self) -> list[np.ndarray]:
+        d = self.cfg.dataset
+        return partition(
+            self.train_y,
+            self.cfg.num_devices,
+            d.partition,
+            seed=derive_seed(self.cfg.seed, "partition") % (2**32),
+            alpha=d.alpha,
+            classes_per_device=d.classes_per_device,
+            shards_per_device=d.shards_per_device,
+        )
+
+    def model(self) -> torch.nn.Module:
+        """A fresh model with the experiment's deterministic initial weights."""
+        torch.manual_seed(derive_seed(self.cfg.seed, "init") % (2**31))
+        return build_model(
+            self.cfg.model.name, self.dataset.input_shape, self.dataset.num_classes, **self.cfg.model.options
+        )
+
+    @cached_property
+    def strategy(self) -> Strategy:
+        cls = algorithms.get(self.cfg.algorithm.name)
+        options = algorithms.parse_options(self.cfg.algorithm.name, self.cfg.algorithm.options)
+        ctx = StrategyContext(
+            model_factory=self.model,
+            input_shape=self.dataset.input_shape,
+            num_classes=self.dataset.num_classes,
+            train=self.cfg.train,
+            seed=self.cfg.seed,
+            options=options,
+        )
+        return cls(ctx)
+
+    def device_data(self, device_id: int) -> DeviceData:
+        idx = self.partitions[device_id]
+        frac = self.cfg.dataset.local_test_fraction
+        if frac > 0:
+            tr, te = split_local(idx, frac, derive_seed(self.cfg.seed, "local-split", device_id) % (2**32))
+        else:
+            tr, te = idx, idx[:0]
+        x, y = self.train_x, self.train_y
+        return DeviceData(x[tr], y[tr], x[te], y[te])

@@ -1,0 +1,196 @@
+"""Every Prometheus metric fedfleet exports, defined once.
+
+Why one module: the Grafana dashboard, the alert rules and the tests all refer to metric names, and a
+name that exists in two places drifts. Services import the objects below; nothing else creates a
+metric. Labels are deliberately low-cardinality (experiment, algorithm, service, direction, kind,
+tier, reason) — never a device id: a 10k-device fleet would explode Prometheus. Per-device detail goes
+to ``runs/<id>/devices.csv`` instead.
+
+Units are in the names (``_bytes_total``, ``_seconds``) as Prometheus conventions ask.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+#: Label sets reused below. ``direction`` is ``down`` (server→device), ``up`` (device→aggregator),
+#: ``partial`` (aggregator→server) or ``control`` (small coordination messages).
+TRAFFIC_LABELS = ("experiment", "algorithm", "service", "direction", "kind")
+
+_ROUND_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+_FAST_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+_BYTES_BUCKETS = tuple(float(2**k) for k in range(8, 34, 2))
+
+WIRE_BYTES = Counter(
+    "fedfleet_wire_bytes_total",
+    "Message body bytes actually published to the broker (what crossed the wire).",
+    TRAFFIC_LABELS,
+)
+DENSE_BYTES = Counter(
+    "fedfleet_dense_bytes_total",
+    "Dense-equivalent bytes of the tensors in published messages (float32 dense, no compression).",
+    TRAFFIC_LABELS,
+)
+MESSAGES = Counter(
+    "fedfleet_messages_total",
+    "Messages published to the broker.",
+    TRAFFIC_LABELS,
+)
+RECEIVED_BYTES = Counter(
+    "fedfleet_received_bytes_total",
+    "Message body bytes consumed from the broker.",
+    ("experiment", "service", "kind"),
+)
+DEAD_LETTERS = Counter(
+    "fedfleet_dead_letters_total",
+    "Messages sent to the dead-letter queue, by reason (malformed, schema, tensor, unknown-round, ...).",
+    ("experiment", "service", "reason"),
+)
+UPDATES = Counter(
+    "fedfleet_updates_total",
+    "Client updates handled by aggregators and the server, by result (accepted, duplicate, ...).",
+    ("experiment", "algorithm", "service", "result"),
+)
+ROUND = Gauge("fedfleet_round", "Current (last opened) round number.", ("experiment", "algorithm"))
+ROUND_STARTED = Gauge(
+    "fedfleet_round_started_timestamp_seconds",
+    "Unix time the current round was opened.",
+    ("experiment", "algorithm"),
+)
+ROUND_DEADLINE = Gauge(
+    "fedfleet_round_deadline_timestamp_seconds",
+    "Unix time by which the current round must close (deadline in wall time).",
+    ("experiment", "algorithm"),
+)
+ROUND_OPEN = Gauge(
+    "fedfleet_round_open",
+    "1 while a round is open (waiting for updates), 0 between rounds.",
+    ("experiment", "algorithm"),
+)
+ROUND_DURATION = Histogram(
+    "fedfleet_round_duration_seconds",
+    "Wall time from opening a round to finalizing it.",
+    ("experiment", "algorithm"),
+    buckets=_ROUND_BUCKETS,
+)
+ROUND_VIRTUAL_DURATION = Histogram(
+    "fedfleet_round_virtual_duration_seconds",
+    "Emulated (virtual clock) duration of a round: slowest accepted device's download+compute+upload.",
+    ("experiment", "algorithm"),
+    buckets=_ROUND_BUCKETS,
+)
+ROUNDS_COMPLETED = Counter(
+    "fedfleet_rounds_total",
+    "Rounds finished, by outcome (completed, below-quorum).",
+    ("experiment", "algorithm", "outcome"),
+)
+ACCURACY = Gauge("fedfleet_accuracy_ratio", "Latest evaluation accuracy (0..1).", ("experiment", "algorithm"))
+LOSS = Gauge("fedfleet_loss", "Latest evaluation loss.", ("experiment", "algorithm"))
+DENSITY = Gauge(
+    "fedfleet_model_density_ratio",
+    "Fraction of model parameters that are non-zero / kept (1.0 for dense algorithms).",
+    ("experiment", "algorithm"),
+)
+PARTICIPANTS = Counter(
+    "fedfleet_participants_total",
+    "Device updates that were aggregated into a round.",
+    ("experiment", "algorithm", "tier"),
+)
+SELECTED = Counter(
+    "fedfleet_selected_total",
+    "Devices selected for a round.",
+    ("experiment", "algorithm", "tier"),
+)
+REJECTIONS = Counter(
+    "fedfleet_rejections_total",
+    "Tasks refused by a device before training, by reason (memory, ...).",
+    ("experiment", "algorithm", "tier", "reason"),
+)
+DROPOUTS = Counter(
+    "fedfleet_dropouts_total",
+    "Selected devices that did not deliver an update in time, by reason (offline, dropped, deadline).",
+    ("experiment", "algorithm", "tier", "reason"),
+)
+REGISTERED_DEVICES = Gauge(
+    "fedfleet_registered_devices", "Devices known to the server.", ("experiment", "tier")
+)
+DEVICE_ROUND_BYTES = Histogram(
+    "fedfleet_device_round_bytes",
+    "Wire bytes one device moved in one round, by direction and tier.",
+    ("experiment", "algorithm", "direction", "tier"),
+    buckets=_BYTES_BUCKETS,
+)
+CLIENT_TRAIN_SECONDS = Histogram(
+    "fedfleet_client_train_seconds",
+    "Real (measured) local training time of one task.",
+    ("experiment", "algorithm", "tier"),
+    buckets=_FAST_BUCKETS,
+)
+CLIENT_TRANSFER_SECONDS = Histogram(
+    "fedfleet_client_transfer_seconds",
+    "Emulated link time of one transfer (latency + bytes/bandwidth), by direction and clock.",
+    ("experiment", "algorithm", "tier", "direction", "clock"),
+    buckets=_FAST_BUCKETS,
+)
+CLIENT_COMPUTE_SECONDS = Histogram(
+    "fedfleet_client_compute_seconds",
+    "Emulated compute time of one task (FLOPs / device speed), by clock.",
+    ("experiment", "algorithm", "tier", "clock"),
+    buckets=_FAST_BUCKETS,
+)
+MEMORY_BUDGET_BYTES = Gauge(
+    "fedfleet_memory_budget_bytes", "Memory budget of a device tier.", ("experiment", "tier")
+)
+MEMORY_FOOTPRINT_BYTES = Gauge(
+    "fedfleet_memory_footprint_bytes",
+    "Training footprint of the last task admitted or refused on a tier.",
+    ("experiment", "algorithm", "tier"),
+)
+AGGREGATION_SECONDS = Histogram(
+    "fedfleet_aggregation_seconds",
+    "Time to validate, decode and reduce one update into an aggregator's partial.",
+    ("experiment", "algorithm"),
+    buckets=_FAST_BUCKETS,
+)
+HANDLER_ERRORS = Counter(
+    "fedfleet_handler_errors_total",
+    "Unexpected exceptions in a message handler (the message is dead-lettered, the service lives on).",
+    ("experiment", "service", "kind"),
+)
+
+
+def all_metric_names(registry: CollectorRegistry = REGISTRY) -> set[str]:
+    """Every sample name the registry can export (``_total``, ``_bucket``... included).
+
+    The dashboard lint compares PromQL against this set, so it is computed from the live registry
+    rather than kept by hand.
+    """
+    suffixes = {
+        "counter": ("_total", "_created"),
+        "gauge": ("",),
+        "histogram": ("_bucket", "_count", "_sum", "_created"),
+        "summary": ("", "_count", "_sum", "_created"),
+    }
+    names: set[str] = set()
+    for collector in list(registry._collector_to_names):  # prometheus_client has no public listing
+        describe = getattr(collector, "describe", None)
+        for metric in describe() if describe else []:
+            names.update(metric.name + sfx for sfx in suffixes.get(metric.type, ("",)))
+    return names
+
+
+_started: set[int] = set()
+_lock = threading.Lock()
+
+
+def serve(port: int, addr: str = "0.0.0.0") -> None:
+    """Expose ``/metrics`` on ``port`` (0 disables). Idempotent per port within a process."""
+    if port <= 0:
+        return
+    with _lock:
+        if port in _started:
+            return
+        start_http_server(port, addr=addr)
+        _started.add(port)

@@ -1,0 +1,143 @@
+"""Run results: ``rounds.csv``, ``devices.csv``, ``summary.json`` and plots under ``runs/<run-id>/``.
+
+Why files a person can read and plot: an emulator is judged by the curves it produces (accuracy vs
+round, accuracy vs bytes), so every run leaves CSVs any tool can open, a JSON summary for scripts, and
+PNG plots — and ``fedfleet report`` / ``compare`` re-read exactly these files.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+ROUND_COLUMNS = [
+    "round",
+    "outcome",
+    "accuracy",
+    "loss",
+    "bytes_up",
+    "bytes_down",
+    "dense_bytes_up",
+    "dense_bytes_down",
+    "cum_bytes_up",
+    "cum_bytes_down",
+    "participants",
+    "selected",
+    "rejected",
+    "dropped",
+    "wall_seconds",
+    "round_seconds",
+    "virtual_seconds",
+    "density",
+]
+
+
+@dataclass
+class DeviceStats:
+    device_id: int
+    tier: str = "default"
+    selected: int = 0
+    completed: int = 0
+    rejected: int = 0
+    dropped: int = 0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    virtual_seconds: float = 0.0
+
+
+DEVICE_COLUMNS = [f.name for f in fields(DeviceStats)]
+
+
+def _fmt(v: Any) -> Any:
+    if isinstance(v, float):
+        return "" if math.isnan(v) else f"{v:.6g}"
+    return "" if v is None else v
+
+
+def write_rounds(run_dir: Path, rows: list[dict[str, Any]]) -> None:
+    with (run_dir / "rounds.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=ROUND_COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        for row in rows:
+            w.writerow({k: _fmt(row.get(k)) for k in ROUND_COLUMNS})
+
+
+def write_devices(run_dir: Path, devices: list[DeviceStats]) -> None:
+    with (run_dir / "devices.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=DEVICE_COLUMNS)
+        w.writeheader()
+        for d in sorted(devices, key=lambda d: d.device_id):
+            w.writerow({k: _fmt(v) for k, v in asdict(d).items()})
+
+
+def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=False) + "\n")
+
+
+def read_rounds(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "rounds.csv"
+    if not path.exists():
+        return []
+    out = []
+    with path.open() as f:
+        for row in csv.DictReader(f):
+            parsed: dict[str, Any] = {}
+            for k, v in row.items():
+                if k == "outcome":
+                    parsed[k] = v
+                elif v == "" or v is None:
+                    parsed[k] = None
+                else:
+                    num = float(v)
+                    parsed[k] = (
+                        int(num) if num.is_integer() and k not in ("accuracy", "loss", "density") else num
+                    )
+            out.append(parsed)
+    return out
+
+
+def read_summary(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / "summary.json"
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{run_dir}: no summary.json (the run did not finish, or this is not a run dir)"
+        )
+    data: dict[str, Any] = json.loads(path.read_text())
+    return data
+
+
+def plot_run(run_dir: Path, rows: list[dict[str, Any]], title: str) -> list[Path]:
+    """accuracy vs round and accuracy vs cumulative wire bytes (up + down), as PNGs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = [r for r in rows if r.get("accuracy") is not None]
+    if not pts:
+        return []
+    rounds = [r["round"] for r in pts]
+    acc = [r["accuracy"] for r in pts]
+    cum = [(r["cum_bytes_up"] + r["cum_bytes_down"]) / 1e6 for r in pts]
+    paths = []
+    for name, xs, xlabel in (
+        ("accuracy_vs_round.png", rounds, "round"),
+        ("accuracy_vs_bytes.png", cum, "cumulative wire bytes, up + down (MB)"),
+    ):
+        fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+        ax.plot(xs, acc, marker="o", markersize=3)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("accuracy")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+        ax.set_title(title)
+        fig.tight_layout()
+        path = run_dir / name
+        fig.savefig(path)
+        plt.close(fig)
+        paths.append(path)
+    return paths

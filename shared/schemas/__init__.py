@@ -1,0 +1,243 @@
+"""The wire contract: every message fedfleet sends, as pydantic models inside one envelope.
+
+Why an envelope: every message must say which experiment, round and server incarnation it belongs to
+and who sent it, so that a stale, duplicated or misrouted message can be recognised and dead-lettered
+without looking at its payload. Why pydantic: the schema *is* the validation — a message that does not
+fit its model never reaches an algorithm.
+
+Tensors inside bodies are codec dicts (``shared.codec.encode``); the schema checks their outer
+structure and the codec checks their buffers (sizes, dtypes, limits) when an algorithm decodes them.
+Bytes on the wire are msgpack; there is no pickle anywhere and nothing executes on decode.
+"""
+
+from __future__ import annotations
+
+import uuid
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from shared import codec
+
+#: Bump when a message changes incompatibly; receivers dead-letter other versions.
+SCHEMA_VERSION = 1
+
+
+class Kind(StrEnum):
+    REGISTER = "register"
+    HEARTBEAT = "heartbeat"
+    ROUND_OPEN = "round_open"
+    TASK = "task"
+    UPDATE = "update"
+    RECEIPT = "receipt"
+    REJECT = "reject"
+    FLUSH = "flush"
+    PARTIAL = "partial"
+    DECISION = "decision"
+    ROUND_SUMMARY = "round_summary"
+    STOP = "stop"
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+
+#: An encoded tensor: the codec's msgpack-ready mapping (validated in depth by ``codec.decode``).
+EncodedTensor = dict[str, Any]
+
+
+class DeviceInfo(_Body):
+    device_id: int = Field(ge=0)
+    tier: str = "default"
+    num_samples: int = Field(ge=0)
+    #: the device profile as a plain mapping (memory, bandwidth, ...); see ``shared.devices``
+    profile: dict[str, Any] = Field(default_factory=dict)
+
+
+class Register(_Body):
+    """A client process announces the devices it hosts (also re-sent periodically as a heartbeat)."""
+
+    client_id: str
+    devices: list[DeviceInfo]
+
+
+class Heartbeat(_Body):
+    client_id: str
+    devices: list[int]
+
+
+class RoundOpen(_Body):
+    """Server → aggregators: which devices may send updates for this round and incarnation."""
+
+    selected: list[int]
+    deadline_unix: float
+
+
+class Task(_Body):
+    """Server → one device: what it receives and what it is asked to do."""
+
+    device_id: int = Field(ge=0)
+    tensors: dict[str, EncodedTensor] = Field(default_factory=dict)
+    config: dict[str, Any] = Field(default_factory=dict)
+
+
+class Update(_Body):
+    """Device → aggregators: the result of a task."""
+
+    device_id: int = Field(ge=0)
+    num_samples: int = Field(ge=0)
+    tensors: dict[str, EncodedTensor] = Field(default_factory=dict)
+    metrics: dict[str, float] = Field(default_factory=dict)
+    #: wire bytes of the task this update answers (so the server can account per device)
+    task_bytes: int = Field(0, ge=0)
+    #: emulated seconds: download, compute, upload (virtual clock)
+    timings: dict[str, float] = Field(default_factory=dict)
+
+
+class Receipt(_Body):
+    """Aggregator → server: one update was accepted (validated and reduced, not yet merged)."""
+
+    device_id: int = Field(ge=0)
+    aggregator_id: str
+    update_bytes: int = Field(ge=0)
+    dense_bytes: int = Field(ge=0)
+    num_samples: int = Field(ge=0)
+    metrics: dict[str, float] = Field(default_factory=dict)
+    timings: dict[str, float] = Field(default_factory=dict)
+
+
+class Reject(_Body):
+    """Device → server: the task was refused before training (never a silent skip)."""
+
+    device_id: int = Field(ge=0)
+    reason: str
+    detail: str = ""
+    footprint_bytes: int = Field(0, ge=0)
+    budget_bytes: int = Field(0, ge=0)
+    task_bytes: int = Field(0, ge=0)
+
+
+class Flush(_Body):
+    """Server → aggregators: send what you reduced for this round now."""
+
+
+class Partial(_Body):
+    """Aggregator → server: an associative partial reduction over ``devices``.
+
+    ``singleton`` marks a partial built from one *redelivered* update: the server drops it if that
+    device is already covered, which is what makes aggregator crashes count every update exactly once.
+    """
+
+    aggregator_id: str
+    seq: int = Field(ge=0)
+    devices: list[int]
+    singleton: bool = False
+    tensors: dict[str, EncodedTensor] = Field(default_factory=dict)
+    scalars: dict[str, float] = Field(default_factory=dict)
+
+
+class Decision(_Body):
+    """Server → one aggregator: was its partial ``seq`` merged? (acks are held until then)."""
+
+    seq: int = Field(ge=0)
+    accepted: bool
+    reason: str = ""
+
+
+class RoundSummary(_Body):
+    """Server → anyone listening: the outcome of a round (for observers and load tests)."""
+
+    outcome: str
+    accuracy: float | None = None
+    loss: float | None = None
+    participants: int = 0
+
+
+class Stop(_Body):
+    """Server → everyone: the experiment is over; exit cleanly."""
+
+    reason: str = "finished"
+
+
+BODY_MODELS: dict[Kind, type[_Body]] = {
+    Kind.REGISTER: Register,
+    Kind.HEARTBEAT: Heartbeat,
+    Kind.ROUND_OPEN: RoundOpen,
+    Kind.TASK: Task,
+    Kind.UPDATE: Update,
+    Kind.RECEIPT: Receipt,
+    Kind.REJECT: Reject,
+    Kind.FLUSH: Flush,
+    Kind.PARTIAL: Partial,
+    Kind.DECISION: Decision,
+    Kind.ROUND_SUMMARY: RoundSummary,
+    Kind.STOP: Stop,
+}
+
+
+class Envelope(BaseModel):
+    """What every message on the wire looks like."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    v: int
+    kind: Kind
+    exp: str
+    inc: str = ""
+    round: int = Field(ge=0)
+    sender: str
+    id: str
+    body: dict[str, Any]
+
+
+class DecodeError(ValueError):
+    """A message that cannot be used; ``reason`` is the dead-letter counter label."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def encode(
+    kind: Kind, body: _Body, *, exp: str, round: int, sender: str, inc: str = "", msg_id: str | None = None
+) -> bytes:
+    """Serialize one message. ``model_dump`` keeps bytes/memoryview tensor buffers as they are."""
+    if not isinstance(body, BODY_MODELS[kind]):
+        raise TypeError(f"{kind} needs a {BODY_MODELS[kind].__name__}, got {type(body).__name__}")
+    env = {
+        "v": SCHEMA_VERSION,
+        "kind": kind.value,
+        "exp": exp,
+        "inc": inc,
+        "round": round,
+        "sender": sender,
+        "id": msg_id or uuid.uuid4().hex,
+        "body": body.model_dump(),
+    }
+    return codec.packb(env)
+
+
+def decode(data: bytes, *, max_bytes: int) -> tuple[Envelope, Any]:
+    """Parse and validate one message; raises ``DecodeError`` with a dead-letter reason."""
+    try:
+        raw = codec.unpackb(data, max_bytes=max_bytes)
+    except codec.CodecError as err:
+        raise DecodeError(err.reason, str(err)) from None
+    try:
+        env = Envelope.model_validate(raw)
+    except ValidationError as err:
+        raise DecodeError("schema", f"envelope: {_short(err)}") from None
+    if env.v != SCHEMA_VERSION:
+        raise DecodeError(
+            "schema", f"schema version {env.v} not supported (this build speaks {SCHEMA_VERSION})"
+        )
+    try:
+        body = BODY_MODELS[env.kind].model_validate(env.body)
+    except ValidationError as err:
+        raise DecodeError("schema", f"{env.kind.value} body: {_short(err)}") from None
+    return env, body
+
+
+def _short(err: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors()[:5])

@@ -1,0 +1,31 @@
+"""Message transports: RabbitMQ (``amqp``) and in-process (``inproc``), one interface."""
+
+from shared.transport.base import (
+    KEY_AGGREGATORS,
+    KEY_CLIENTS,
+    KEY_SERVER,
+    KEY_UPDATE,
+    Delivery,
+    ExperimentNames,
+    Handler,
+    Transport,
+    Unroutable,
+    key_aggregator,
+    key_task,
+    names,
+)
+
+__all__ = [
+    "KEY_AGGREGATORS",
+    "KEY_CLIENTS",
+    "KEY_SERVER",
+    "KEY_UPDATE",
+    "Delivery",
+    "ExperimentNames",
+    "Handler",
+    "Transport",
+    "Unroutable",
+    "key_aggregator",
+    "key_task",
+    "names",
+]

@@ -1,0 +1,265 @@
+"""RabbitMQ transport (pika ``BlockingConnection``).
+
+Reliability choices, each because a service relies on it:
+
+* durable exchange and queues, persistent messages (``delivery_mode=2``): a broker restart loses
+  nothing that was confirmed;
+* publisher confirms and ``mandatory=True``: ``publish`` returns only once the broker has the message,
+  and a message no queue is bound for raises ``Unroutable`` instead of vanishing (the server treats a
+  task nobody can receive as a dropout);
+* manual acks after processing and a bounded prefetch per consumer: a crashed service's unacked
+  messages are redelivered (``redelivered=True``) to another consumer, and no consumer hoards the queue;
+* every queue dead-letters into the experiment's DLX, and services dead-letter bad messages
+  explicitly (republished with ``x-fedfleet-reason``) so the dead-letter queue says why;
+* reconnect with exponential backoff: topology and consumers are re-declared; deliveries from the
+  lost channel are not acked (the broker redelivers them).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import pika
+import pika.exceptions
+from pika.adapters.blocking_connection import BlockingChannel
+from pika.spec import Basic, BasicProperties
+
+from shared.transport.base import Delivery, Handler, Transport, Unroutable
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_CONNECTION_ERRORS = (
+    pika.exceptions.AMQPConnectionError,
+    pika.exceptions.StreamLostError,
+    pika.exceptions.ConnectionClosedByBroker,
+    pika.exceptions.ChannelWrongStateError,
+    pika.exceptions.ChannelClosedByBroker,
+    ConnectionResetError,
+)
+
+
+def broker_reachable(url: str, timeout: float = 3.0) -> bool:
+    """True if an AMQP connection to ``url`` can be opened now."""
+    params = pika.URLParameters(url)
+    params.socket_timeout = timeout
+    params.connection_attempts = 1
+    params.blocked_connection_timeout = timeout
+    try:
+        pika.BlockingConnection(params).close()
+        return True
+    except Exception:
+        return False
+
+
+class AmqpTransport(Transport):
+    kind = "amqp"
+
+    def __init__(
+        self,
+        url: str,
+        experiment: str,
+        *,
+        reconnect_timeout_s: float = 120.0,
+        heartbeat_s: int = 30,
+    ) -> None:
+        super().__init__(experiment)
+        self.url = url
+        self.reconnect_timeout_s = reconnect_timeout_s
+        self.heartbeat_s = heartbeat_s
+        self._queues: dict[str, list[str]] = {}
+        self._expires: dict[str, float] = {}
+        self._consumers: list[tuple[str, Handler, int]] = []
+        self._conn: pika.BlockingConnection | None = None
+        self._ch: BlockingChannel | None = None
+        self._generation = 0
+        self._connect(first=True)
+
+    # -- connection management -------------------------------------------------------------------
+    def _open(self) -> None:
+        params = pika.URLParameters(self.url)
+        params.heartbeat = self.heartbeat_s
+        params.blocked_connection_timeout = 300
+        params.connection_attempts = 1
+        self._conn = pika.BlockingConnection(params)
+        ch = self._conn.channel()
+        ch.confirm_delivery()
+        ch.exchange_declare(self.names.exchange, exchange_type="direct", durable=True)
+        ch.exchange_declare(self.names.dead_letter_exchange, exchange_type="fanout", durable=True)
+        ch.queue_declare(self.names.dead_letter_queue, durable=True)
+        ch.queue_bind(self.names.dead_letter_queue, self.names.dead_letter_exchange)
+        self._ch = ch
+        self._generation += 1
+        for queue, keys in self._queues.items():
+            self._declare(queue, keys)
+        for queue, handler, prefetch in self._consumers:
+            self._start_consumer(queue, handler, prefetch)
+
+    def _connect(self, first: bool = False) -> None:
+        deadline = time.monotonic() + self.reconnect_timeout_s
+        delay = 0.25
+        while True:
+            try:
+                self._open()
+                if not first:
+                    log.warning("reconnected to the broker", extra={"event": "amqp_reconnected"})
+                return
+            except _CONNECTION_ERRORS as err:
+                if time.monotonic() + delay > deadline:
+                    raise ConnectionError(f"cannot reach RabbitMQ at {_redact(self.url)}: {err}") from err
+                log.warning(
+                    "broker unreachable, retrying in %.2fs: %s", delay, err, extra={"event": "amqp_retry"}
+                )
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    def _with_reconnect(self, fn: Callable[[], T]) -> T:
+        for _attempt in range(5):
+            try:
+                return fn()
+            except _CONNECTION_ERRORS as err:
+                log.warning("broker connection lost (%s); reconnecting", err, extra={"event": "amqp_lost"})
+                self._safe_close()
+                self._connect()
+        return fn()
+
+    @property
+    def channel(self) -> BlockingChannel:
+        assert self._ch is not None
+        return self._ch
+
+    # -- topology --------------------------------------------------------------------------------
+    def _declare(self, queue: str, keys: Sequence[str]) -> None:
+        args: dict[str, Any] = {"x-dead-letter-exchange": self.names.dead_letter_exchange}
+        if queue in self._expires:
+            args["x-expires"] = int(self._expires[queue] * 1000)
+        self.channel.queue_declare(queue, durable=True, arguments=args)
+        for key in keys:
+            self.channel.queue_bind(queue, self.names.exchange, routing_key=key)
+
+    def declare_queue(self, queue: str, bindings: Sequence[str], *, expires_s: float | None = None) -> None:
+        if expires_s is not None:
+            self._expires[queue] = expires_s
+        self._queues.setdefault(queue, [])
+        for key in bindings:
+            if key not in self._queues[queue]:
+                self._queues[queue].append(key)
+        self._with_reconnect(lambda: self._declare(queue, bindings))
+
+    def bind(self, queue: str, key: str) -> None:
+        self.declare_queue(queue, [key])
+
+    # -- publishing ------------------------------------------------------------------------------
+    def publish(self, key: str, body: bytes, headers: dict[str, Any] | None = None) -> None:
+        props = BasicProperties(delivery_mode=2, headers=headers or None)
+
+        def _pub() -> None:
+            try:
+                self.channel.basic_publish(self.names.exchange, key, body, props, mandatory=True)
+            except pika.exceptions.UnroutableError as err:
+                raise Unroutable(key) from err
+
+        self._with_reconnect(_pub)
+
+    # -- consuming -------------------------------------------------------------------------------
+    def _start_consumer(self, queue: str, handler: Handler, prefetch: int) -> None:
+        ch = self.channel
+        generation = self._generation
+        ch.basic_qos(prefetch_count=prefetch)
+
+        def on_message(
+            chan: BlockingChannel, method: Basic.Deliver, props: BasicProperties, body: bytes
+        ) -> None:
+            tag = method.delivery_tag
+
+            def ack() -> None:
+                if generation == self._generation and chan.is_open:
+                    chan.basic_ack(tag)
+
+            def nack(requeue: bool) -> None:
+                if generation == self._generation and chan.is_open:
+                    chan.basic_nack(tag, requeue=requeue)
+
+            d = Delivery(
+                body=body,
+                routing_key=method.routing_key or "",
+                redelivered=bool(method.redelivered),
+                headers=dict(props.headers or {}),
+                _ack=ack,
+                _nack=nack,
+            )
+            handler(d)
+
+        ch.basic_consume(queue, on_message, auto_ack=False)
+
+    def consume(self, queue: str, handler: Handler, prefetch: int) -> None:
+        self._consumers.append((queue, handler, prefetch))
+        self._with_reconnect(lambda: self._start_consumer(queue, handler, prefetch))
+
+    def process(self, timeout: float) -> None:
+        def _run() -> None:
+            assert self._conn is not None
+            self._conn.process_data_events(time_limit=timeout)
+
+        self._with_reconnect(_run)
+
+    def dead_letter(self, delivery: Delivery, reason: str, detail: str) -> None:
+        headers = dict(delivery.headers)
+        headers.update(
+            {
+                "x-fedfleet-reason": reason,
+                "x-fedfleet-detail": detail[:500],
+                "x-original-key": delivery.routing_key,
+            }
+        )
+        props = BasicProperties(delivery_mode=2, headers=headers)
+        self._with_reconnect(
+            lambda: self.channel.basic_publish(self.names.dead_letter_exchange, "", delivery.body, props)
+        )
+        delivery.ack()
+
+    def queue_depth(self, queue: str) -> int:
+        def _depth() -> int:
+            res = self.channel.queue_declare(queue, passive=True)
+            return int(res.method.message_count)
+
+        return self._with_reconnect(_depth)
+
+    def delete_experiment(self, queues: Sequence[str] = ()) -> None:
+        """Delete the experiment's queues and exchanges, on a fresh channel (passive errors close it)."""
+        assert self._conn is not None
+        for queue in dict.fromkeys([*self._queues, *queues, self.names.dead_letter_queue]):
+            try:
+                self.channel.queue_delete(queue)
+            except pika.exceptions.ChannelClosedByBroker:
+                self._ch = self._conn.channel()
+        for ex in (self.names.exchange, self.names.dead_letter_exchange):
+            try:
+                self.channel.exchange_delete(ex)
+            except pika.exceptions.ChannelClosedByBroker:
+                self._ch = self._conn.channel()
+
+    def delete_queue(self, queue: str) -> None:
+        self._queues.pop(queue, None)
+        self._with_reconnect(lambda: self.channel.queue_delete(queue))
+
+    def _safe_close(self) -> None:
+        try:
+            if self._conn is not None and self._conn.is_open:
+                self._conn.close()
+        except Exception:  # the connection is already broken; nothing else to release
+            pass
+        self._conn = None
+        self._ch = None
+
+    def close(self) -> None:
+        self._safe_close()
+
+
+def _redact(url: str) -> str:
+    params = pika.URLParameters(url)
+    return f"amqp://{params.host}:{params.port}{params.virtual_host and '/' + params.virtual_host}"

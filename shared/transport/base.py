@@ -1,0 +1,146 @@
+"""The transport interface every service talks to: queues, routing keys, acks, a dead-letter path.
+
+Why an interface with two implementations: the services must run unchanged over RabbitMQ (separate
+processes, the real thing) and in one process (fast unit tests, single-process runs). Both give the
+same semantics the services rely on: durable named queues bound to routing keys on one direct
+exchange per experiment (several queues on one key all get a copy — that is how broadcasts work),
+manual acks after processing, redelivery of unacked messages with ``redelivered=True``, and a
+dead-letter queue that receives messages with the reason in a header.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def names(experiment: str) -> ExperimentNames:
+    return ExperimentNames(experiment)
+
+
+@dataclass(frozen=True)
+class ExperimentNames:
+    """Broker object names of one experiment (one place, so dashboards and tests agree)."""
+
+    experiment: str
+
+    @property
+    def exchange(self) -> str:
+        return f"ff.{self.experiment}"
+
+    @property
+    def dead_letter_exchange(self) -> str:
+        return f"ff.{self.experiment}.dlx"
+
+    @property
+    def dead_letter_queue(self) -> str:
+        return f"ff.{self.experiment}.dead"
+
+    @property
+    def server_queue(self) -> str:
+        return f"ff.{self.experiment}.server"
+
+    @property
+    def updates_queue(self) -> str:
+        return f"ff.{self.experiment}.updates"
+
+    def aggregator_queue(self, agg_id: str) -> str:
+        return f"ff.{self.experiment}.agg.{agg_id}"
+
+    def client_queue(self, client_id: str) -> str:
+        return f"ff.{self.experiment}.client.{client_id}"
+
+
+# Routing keys on the experiment's direct exchange.
+KEY_SERVER = "server"
+KEY_UPDATE = "update"
+KEY_AGGREGATORS = "aggregators"  # broadcast to every aggregator
+KEY_CLIENTS = "clients"  # broadcast to every client process
+
+
+def key_task(device_id: int) -> str:
+    return f"task.{device_id}"
+
+
+def key_aggregator(agg_id: str) -> str:
+    return f"agg.{agg_id}"
+
+
+@dataclass
+class Delivery:
+    """One received message. ``ack``/``nack`` are bound to the channel it came from."""
+
+    body: bytes
+    routing_key: str
+    redelivered: bool
+    headers: dict[str, Any] = field(default_factory=dict)
+    _ack: Callable[[], None] = field(default=lambda: None, repr=False)
+    _nack: Callable[[bool], None] = field(default=lambda requeue: None, repr=False)
+    settled: bool = False
+
+    def ack(self) -> None:
+        if not self.settled:
+            self.settled = True
+            self._ack()
+
+    def nack(self, requeue: bool) -> None:
+        if not self.settled:
+            self.settled = True
+            self._nack(requeue)
+
+
+Handler = Callable[[Delivery], None]
+
+
+class Unroutable(Exception):
+    """A message no queue is bound for (e.g. a task for a device whose client is gone)."""
+
+
+class Transport(ABC):
+    """What services need from a message broker."""
+
+    kind: str = "abstract"
+
+    def __init__(self, experiment: str) -> None:
+        self.names = names(experiment)
+
+    @abstractmethod
+    def declare_queue(self, queue: str, bindings: Sequence[str], *, expires_s: float | None = None) -> None:
+        """Declare a durable queue (dead-lettering to the experiment's DLX) bound to ``bindings``.
+
+        ``expires_s``: the broker deletes the queue after that long without consumers — for queues
+        that belong to one process session, so crashed sessions leave nothing behind.
+        """
+
+    @abstractmethod
+    def bind(self, queue: str, key: str) -> None: ...
+
+    @abstractmethod
+    def publish(self, key: str, body: bytes, headers: dict[str, Any] | None = None) -> None:
+        """Publish persistently and wait for the broker's confirm. Raises ``Unroutable``."""
+
+    @abstractmethod
+    def consume(self, queue: str, handler: Handler, prefetch: int) -> None: ...
+
+    @abstractmethod
+    def process(self, timeout: float) -> None:
+        """Dispatch deliveries to handlers for up to ``timeout`` seconds (0 = what is ready now)."""
+
+    @abstractmethod
+    def dead_letter(self, delivery: Delivery, reason: str, detail: str) -> None:
+        """Move a message to the dead-letter queue with its reason, then ack the original."""
+
+    @abstractmethod
+    def queue_depth(self, queue: str) -> int: ...
+
+    @abstractmethod
+    def delete_experiment(self, queues: Sequence[str] = ()) -> None:
+        """Remove the experiment's queues (those declared here plus ``queues``) and exchanges."""
+
+    @abstractmethod
+    def delete_queue(self, queue: str) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
