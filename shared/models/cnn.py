@@ -1,0 +1,259 @@
+"""The small CNNs the five papers' specs use, each an ``nn.Sequential`` with stable layer names.
+
+Layer names (``conv1``, ``bn1``, ``fc2`` ...) are how algorithms address layers for masks,
+thresholds, cuts and per-layer aggregation, so they are chosen once here and kept.
+Where a spec pins a parameter count, ``tests/test_models.py`` checks it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from torch import nn
+
+from shared.models.layers import Scaler, check_spatial, conv_out, image_shape
+
+
+def cnn_digits(
+    input_shape: tuple[int, ...], num_classes: int, *, track_running_stats: bool = True
+) -> nn.Sequential:
+    """EmbracingFL §8's BN ablation CNN for 8x8 digits: three 3x3 conv+BN+ReLU, GAP, FC.
+
+    Channels 16, 32 (stride 2), 64 (stride 2); convs have no bias because BN follows.
+    ``track_running_stats=False`` gives static BN (batch statistics also at evaluation).
+    """
+    c, h, w = image_shape(input_shape, "cnn_digits")
+    layers: OrderedDict[str, nn.Module] = OrderedDict()
+    channels = [c, 16, 32, 64]
+    for i, stride in enumerate((1, 2, 2), start=1):
+        layers[f"conv{i}"] = nn.Conv2d(channels[i - 1], channels[i], 3, stride=stride, padding=1, bias=False)
+        layers[f"bn{i}"] = nn.BatchNorm2d(channels[i], track_running_stats=track_running_stats)
+        layers[f"relu{i}"] = nn.ReLU()
+        h, w = conv_out(h, 3, stride, 1), conv_out(w, 3, stride, 1)
+    check_spatial("cnn_digits", input_shape, h, w)
+    layers["pool"] = nn.AdaptiveAvgPool2d(1)
+    layers["flatten"] = nn.Flatten()
+    layers["fc"] = nn.Linear(64, num_classes)
+    return nn.Sequential(layers)
+
+
+def cnn_femnist(input_shape: tuple[int, ...], num_classes: int, *, hidden: int = 2048) -> nn.Sequential:
+    """LEAF's FEMNIST CNN (EmbracingFL's "CNN"): conv5x5 32, pool, conv5x5 64, pool, dense, out.
+
+    "Same" padding and 2x2 max-pools, so 28x28 gives 7*7*64 = 3136 features; with ``hidden=2048``
+    and 62 classes that is 6,603,710 parameters (EmbracingFL Table 1). ``hidden`` may be smaller
+    for CPU-sized runs.
+    """
+    c, h, w = image_shape(input_shape, "cnn")
+    if hidden < 1:
+        raise ValueError(f"cnn hidden must be >= 1, got {hidden}")
+    h, w = h // 2 // 2, w // 2 // 2
+    check_spatial("cnn", input_shape, h, w)
+    return nn.Sequential(
+        OrderedDict(
+            conv1=nn.Conv2d(c, 32, 5, padding=2),
+            relu1=nn.ReLU(),
+            pool1=nn.MaxPool2d(2),
+            conv2=nn.Conv2d(32, 64, 5, padding=2),
+            relu2=nn.ReLU(),
+            pool2=nn.MaxPool2d(2),
+            flatten=nn.Flatten(),
+            fc1=nn.Linear(64 * h * w, hidden),
+            relu3=nn.ReLU(),
+            fc2=nn.Linear(hidden, num_classes),
+        )
+    )
+
+
+def lenet5_caffe(
+    input_shape: tuple[int, ...], num_classes: int, *, hidden: int = 500, bias: bool = False
+) -> nn.Sequential:
+    """SpaFL's FMNIST model (Lenet-5-Caffe): conv5x5 20, pool, conv5x5 50, pool, FC 500, FC out.
+
+    No padding and no biases by default: on 28x28 that is exactly the paper's 430,500 weights and
+    580 thresholds (one per output unit of the four layers).
+    """
+    c, h, w = image_shape(input_shape, "lenet5_caffe")
+    for _ in range(2):
+        h, w = conv_out(h, 5) // 2, conv_out(w, 5) // 2
+    check_spatial("lenet5_caffe", input_shape, h, w)
+    return nn.Sequential(
+        OrderedDict(
+            conv1=nn.Conv2d(c, 20, 5, bias=bias),
+            relu1=nn.ReLU(),
+            pool1=nn.MaxPool2d(2),
+            conv2=nn.Conv2d(20, 50, 5, bias=bias),
+            relu2=nn.ReLU(),
+            pool2=nn.MaxPool2d(2),
+            flatten=nn.Flatten(),
+            fc1=nn.Linear(50 * h * w, hidden, bias=bias),
+            relu3=nn.ReLU(),
+            fc2=nn.Linear(hidden, num_classes, bias=bias),
+        )
+    )
+
+
+def cnn7(
+    input_shape: tuple[int, ...], num_classes: int, *, bias: bool = False, track_running_stats: bool = True
+) -> nn.Sequential:
+    """SpaFL's CIFAR-10 "CNN with seven layers" (code name ``conv4``): 4 conv5x5 + 3 FC, with BN.
+
+    conv 64, conv 64, pool, conv 128, conv 128, pool, FC 128, FC 128, FC out; every conv/FC but the
+    last is followed by BN and ReLU. On 32x32 the seven layers hold 804,800 weights and 650 output
+    units, the counts of the authors' code (the paper prints 807,366 / 1,418, see spafl.md §9.11).
+    """
+    c, h, w = image_shape(input_shape, "cnn7")
+    layers: OrderedDict[str, nn.Module] = OrderedDict()
+    plan = [(c, 64, False), (64, 64, True), (64, 128, False), (128, 128, True)]
+    for i, (cin, cout, pool) in enumerate(plan, start=1):
+        layers[f"conv{i}"] = nn.Conv2d(cin, cout, 5, bias=bias)
+        layers[f"bn{i}"] = nn.BatchNorm2d(cout, track_running_stats=track_running_stats)
+        layers[f"relu{i}"] = nn.ReLU()
+        h, w = conv_out(h, 5), conv_out(w, 5)
+        if pool:
+            layers[f"pool{i}"] = nn.MaxPool2d(2)
+            h, w = h // 2, w // 2
+    check_spatial("cnn7", input_shape, h, w)
+    layers["flatten"] = nn.Flatten()
+    sizes = [128 * h * w, 128, 128]
+    for j in range(2):
+        k = 5 + j
+        layers[f"fc{j + 1}"] = nn.Linear(sizes[j], sizes[j + 1], bias=bias)
+        layers[f"bn{k}"] = nn.BatchNorm1d(sizes[j + 1], track_running_stats=track_running_stats)
+        layers[f"relu{k}"] = nn.ReLU()
+    layers["fc3"] = nn.Linear(128, num_classes, bias=bias)
+    return nn.Sequential(layers)
+
+
+def lenet_cifar(input_shape: tuple[int, ...], num_classes: int) -> nn.Sequential:
+    """Hermes' IC-CIFAR10 model (LotteryFL ``CNNCifar``): classic LeNet-5, 62,006 parameters on CIFAR-10."""
+    c, h, w = image_shape(input_shape, "lenet_cifar")
+    for _ in range(2):
+        h, w = conv_out(h, 5) // 2, conv_out(w, 5) // 2
+    check_spatial("lenet_cifar", input_shape, h, w)
+    return nn.Sequential(
+        OrderedDict(
+            conv1=nn.Conv2d(c, 6, 5),
+            relu1=nn.ReLU(),
+            pool1=nn.MaxPool2d(2),
+            conv2=nn.Conv2d(6, 16, 5),
+            relu2=nn.ReLU(),
+            pool2=nn.MaxPool2d(2),
+            flatten=nn.Flatten(),
+            fc1=nn.Linear(16 * h * w, 120),
+            relu3=nn.ReLU(),
+            fc2=nn.Linear(120, 84),
+            relu4=nn.ReLU(),
+            fc3=nn.Linear(84, num_classes),
+        )
+    )
+
+
+def lenet_emnist(input_shape: tuple[int, ...], num_classes: int, *, hidden: int = 512) -> nn.Sequential:
+    """Hermes' IC-EMNIST model (LotteryFL ``CNNFeMnist_sim``): 539,358 parameters with 62 classes.
+
+    As in that code there is no ReLU between the two FC layers (hermes.md §5.2).
+    """
+    c, h, w = image_shape(input_shape, "lenet_emnist")
+    h, w = h // 2 // 2, w // 2 // 2
+    check_spatial("lenet_emnist", input_shape, h, w)
+    return nn.Sequential(
+        OrderedDict(
+            conv1=nn.Conv2d(c, 10, 5, padding=2),
+            relu1=nn.ReLU(),
+            pool1=nn.MaxPool2d(2),
+            conv2=nn.Conv2d(10, 20, 5, padding=2),
+            relu2=nn.ReLU(),
+            pool2=nn.MaxPool2d(2),
+            flatten=nn.Flatten(),
+            fc1=nn.Linear(20 * h * w, hidden),
+            fc2=nn.Linear(hidden, num_classes),
+        )
+    )
+
+
+def cnn_digits_pool(input_shape: tuple[int, ...], num_classes: int) -> nn.Sequential:
+    """Hermes §8's optional digits CNN: conv3x3 8, pool, conv3x3 16, pool, FC 32, FC out."""
+    c, h, w = image_shape(input_shape, "cnn_digits_pool")
+    h, w = h // 2 // 2, w // 2 // 2
+    check_spatial("cnn_digits_pool", input_shape, h, w)
+    return nn.Sequential(
+        OrderedDict(
+            conv1=nn.Conv2d(c, 8, 3, padding=1),
+            relu1=nn.ReLU(),
+            pool1=nn.MaxPool2d(2),
+            conv2=nn.Conv2d(8, 16, 3, padding=1),
+            relu2=nn.ReLU(),
+            pool2=nn.MaxPool2d(2),
+            flatten=nn.Flatten(),
+            fc1=nn.Linear(16 * h * w, 32),
+            relu3=nn.ReLU(),
+            fc2=nn.Linear(32, num_classes),
+        )
+    )
+
+
+def tinycnn(
+    input_shape: tuple[int, ...], num_classes: int, *, batch_norm: bool = False, bias: bool = True
+) -> nn.Sequential:
+    """FedMef §8's ``TinyCNN``: conv3x3 16, conv3x3 32, 2x2 average pool, FC (512 features on 8x8).
+
+    ``batch_norm=True`` is the FedTiny/FedDST baseline variant (conv, BN, ReLU); FedMef itself
+    swaps the convs for its normalised sparse convs and keeps no BN.
+    """
+    c, h, w = image_shape(input_shape, "tinycnn")
+    layers: OrderedDict[str, nn.Module] = OrderedDict()
+    for i, (cin, cout) in enumerate([(c, 16), (16, 32)], start=1):
+        layers[f"conv{i}"] = nn.Conv2d(cin, cout, 3, padding=1, bias=bias)
+        if batch_norm:
+            layers[f"bn{i}"] = nn.BatchNorm2d(cout)
+        layers[f"relu{i}"] = nn.ReLU()
+    h, w = h // 2, w // 2
+    check_spatial("tinycnn", input_shape, h, w)
+    layers["pool"] = nn.AvgPool2d(2)
+    layers["flatten"] = nn.Flatten()
+    layers["fc"] = nn.Linear(32 * h * w, num_classes, bias=bias)
+    return nn.Sequential(layers)
+
+
+def cnn_feddse(
+    input_shape: tuple[int, ...],
+    num_classes: int,
+    *,
+    rate: float = 1.0,
+    channels: Sequence[int] = (64, 128, 256, 512),
+    static_bn: bool = True,
+) -> nn.Sequential:
+    """FedDSE's (HeteroFL's) 4-conv CNN: conv3x3+Scaler+BN+ReLU, then 3x [maxpool, same], GAP, FC.
+
+    ``rate`` builds the width-reduced sub-model (``ceil(rate * c)`` channels per layer, as HeteroFL);
+    its Scaler divides by ``rate`` while training. ``static_bn`` is the papers' "static batch
+    normalisation" (no running statistics). Full width, 1 input channel, 10 classes: 1,556,874
+    parameters (feddse.md §4.2).
+    """
+    c, h, w = image_shape(input_shape, "cnn_feddse")
+    if not 0.0 < rate <= 1.0:
+        raise ValueError(f"cnn_feddse rate must be in (0, 1], got {rate}")
+    widths = [math.ceil(rate * int(ch)) for ch in channels]
+    if not widths or min(widths) < 1:
+        raise ValueError(f"cnn_feddse channels must be positive, got {list(channels)}")
+    layers: OrderedDict[str, nn.Module] = OrderedDict()
+    cin = c
+    for i, cout in enumerate(widths, start=1):
+        if i > 1:
+            layers[f"pool{i - 1}"] = nn.MaxPool2d(2)
+            h, w = h // 2, w // 2
+        layers[f"conv{i}"] = nn.Conv2d(cin, cout, 3, padding=1)
+        layers[f"scaler{i}"] = Scaler(rate)
+        layers[f"bn{i}"] = nn.BatchNorm2d(cout, momentum=None, track_running_stats=not static_bn)
+        layers[f"relu{i}"] = nn.ReLU()
+        cin = cout
+    check_spatial("cnn_feddse", input_shape, h, w)
+    layers["gap"] = nn.AdaptiveAvgPool2d(1)
+    layers["flatten"] = nn.Flatten()
+    fc = nn.Linear(cin, num_classes)
+    nn.init.zeros_(fc.bias)
+    layers["fc"] = fc
+    return nn.Sequential(layers)
