@@ -61,6 +61,12 @@ def _transport(url: str, experiment: str) -> Any:
     return AmqpTransport(url, experiment)
 
 
+def _linger(settings: Settings) -> None:
+    """Keep /metrics up a little after the work is done, so Prometheus gets the final counts."""
+    if settings.linger_s > 0:
+        time.sleep(settings.linger_s)
+
+
 def _install_signal_handlers(service: Any) -> None:
     def stop(signum: int, frame: Any) -> None:
         service.stopped = True
@@ -110,6 +116,7 @@ def cmd_server(args: argparse.Namespace) -> int:
     _install_signal_handlers(server)
     server.run()
     transport.close()
+    _linger(settings)
     if server.error:
         print(server.error, file=sys.stderr)
         return 1
@@ -140,6 +147,7 @@ def cmd_aggregator(args: argparse.Namespace) -> int:
     _install_signal_handlers(agg)
     agg.run()
     transport.close()
+    _linger(settings)
     return 0
 
 
@@ -179,6 +187,7 @@ def cmd_client(args: argparse.Namespace) -> int:
     _install_signal_handlers(client)
     client.run()
     transport.close()
+    _linger(settings)
     return 0
 
 

@@ -150,6 +150,12 @@ class Aggregator(ServiceBase):
         update = UpdateSpec(decode_tensors(msg.tensors), msg.num_samples, dict(msg.metrics))
         self.strategy.validate_update(update)
         if d.redelivered:
+            metrics.UPDATES.labels(self.experiment, self.algorithm, self.service, "redelivered").inc()
+            self.log.info(
+                "redelivered update from device %d sent as a singleton partial",
+                msg.device_id,
+                extra={"event": "redelivered", "device": msg.device_id},
+            )
             # Possibly already merged via a partial of a crashed aggregator: send it alone so the
             # server can tell.
             batch = _Batch(singleton=True)

@@ -167,3 +167,5 @@ class Settings(BaseSettings):
     metrics_port: int | None = None
     experiment: str | None = None
     log_level: str = "INFO"
+    #: seconds a service keeps serving /metrics after it finished (a last scrape sees final counts)
+    linger_s: float = 0.0

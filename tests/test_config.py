@@ -1,0 +1,76 @@
+"""The experiment config: unknown keys and bad values are errors that name the file and the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shared.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_shipped_experiment_validates() -> None:
+    paths = sorted((ROOT / "experiments").glob("*.yaml"))
+    assert paths, "no experiments shipped"
+    for path in paths:
+        cfg = load_config(path)
+        assert cfg.rounds >= 1
+
+
+def test_quickstart_is_what_the_issue_asks() -> None:
+    cfg = load_config(ROOT / "experiments/quickstart.yaml")
+    assert (cfg.algorithm.name, cfg.dataset.name) == ("fedavg", "digits")
+    assert (cfg.num_devices, cfg.devices_per_round, cfg.rounds) == (20, 10, 20)
+
+
+def test_misspelt_key_names_key_file_and_suggestion(tmp_path: Path) -> None:
+    p = tmp_path / "exp.yaml"
+    p.write_text("name: x\nrounds: 2\nnum_devices: 4\ndevices_per_rund: 2\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(p)
+    msg = str(err.value)
+    assert str(p) in msg
+    assert "unknown key 'devices_per_rund'" in msg
+    assert "did you mean 'devices_per_round'" in msg
+
+
+def test_nested_unknown_key_is_dotted(tmp_path: Path) -> None:
+    p = tmp_path / "exp.yaml"
+    p.write_text("name: x\nrounds: 2\nnum_devices: 4\ndevices_per_round: 2\ntrain: {lr: 0.1, epochs: 3}\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'train\.epochs' \(did you mean 'local_epochs'\?\)"):
+        load_config(p)
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        ("name: x\nrounds: 0\nnum_devices: 4\ndevices_per_round: 2\n", "'rounds'"),
+        ("name: x\nrounds: 2\nnum_devices: 4\ndevices_per_round: 9\n", "exceeds num_devices"),
+        ("name: x\nrounds: 2\nnum_devices: 4\ndevices_per_round: 2\ndataset: {partition: random}\n", "partition"),
+        ("- just\n- a list\n", "top level must be a mapping"),
+        ("name: [unclosed\n", "not valid YAML"),
+    ],
+)
+def test_bad_values_are_explained(tmp_path: Path, body: str, fragment: str) -> None:
+    p = tmp_path / "exp.yaml"
+    p.write_text(body)
+    with pytest.raises(ConfigError) as err:
+        load_config(p)
+    assert fragment in str(err.value)
+    assert str(p) in str(err.value)
+
+
+def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_algorithm_options_are_strict() -> None:
+    from shared import algorithms
+
+    with pytest.raises(ValueError, match="algorithm.options.alpha"):
+        algorithms.parse_options("fedavg", {"alpha": 1})
+    with pytest.raises(ValueError, match="unknown algorithm 'fedsgd'"):
+        algorithms.get("fedsgd")
