@@ -338,6 +338,25 @@ class Server(ServiceBase):
             extra={"event": "round_open", "round": self.round},
         )
 
+    def _participant_metrics(self, participants: list[int]) -> dict[str, float]:
+        """Means of the metrics the round's participants reported.
+
+        ``eval_*`` metrics are weighted by each device's ``eval_samples`` (its personal test split),
+        the rest by its training samples, so a device with more data counts for more — as in the
+        papers' "mean personalised accuracy" weighted over test samples.
+        """
+        sums: dict[str, float] = {}
+        weights: dict[str, float] = {}
+        for dev in participants:
+            r = self.receipts.get(dev)
+            if r is None:
+                continue
+            for key, value in r.metrics.items():
+                w = r.metrics.get("eval_samples", 1.0) if key.startswith("eval_") else float(r.num_samples or 1)
+                sums[key] = sums.get(key, 0.0) + w * value
+                weights[key] = weights.get(key, 0.0) + w
+        return {k: sums[k] / weights[k] for k in sums if weights[k] > 0}
+
     def _broadcast_flush(self, now: float) -> None:
         self.last_flush = now
         self.send(KEY_AGGREGATORS, Kind.FLUSH, Flush(), round=self.round, inc=self.incarnation)
@@ -377,14 +396,18 @@ class Server(ServiceBase):
             st.dropped += 1
             reason = "unreachable" if dev in self.unreachable else "deadline"
             metrics.DROPOUTS.labels(self.experiment, self.algorithm, st.tier, reason).inc()
+        pm = self._participant_metrics(participants)
         ev: dict[str, float] = {}
-        if self.round % self.cfg.eval_every == 0 or self.round == self.cfg.rounds:
+        if self.strategy.personalised:
+            # Devices evaluate their own personalised models on their own test split and report it.
+            ev = {k: pm[f"eval_{k}"] for k in ("accuracy", "loss") if f"eval_{k}" in pm}
+        elif self.round % self.cfg.eval_every == 0 or self.round == self.cfg.rounds:
             ev = self.strategy.evaluate(self.state, self.exp.dataset.x_test, self.exp.dataset.y_test)
             if "accuracy" in ev:
                 metrics.ACCURACY.labels(*labels).set(ev["accuracy"])
             if "loss" in ev:
                 metrics.LOSS.labels(*labels).set(ev["loss"])
-        density = self.strategy.density(self.state)
+        density = pm.get("density", self.strategy.density(self.state))
         metrics.DENSITY.labels(*labels).set(density)
         self.totals["bytes_up"] += up
         self.totals["bytes_down"] += self.round_down_bytes
@@ -410,6 +433,8 @@ class Server(ServiceBase):
             "round_seconds": now - self.round_started,
             "virtual_seconds": vsec,
             "density": density,
+            "train_flops": pm.get("train_flops"),
+            "train_loss": pm.get("train_loss"),
         }
         self.rows.append(row)
         metrics.ROUND_DURATION.labels(*labels).observe(now - self.round_started)

@@ -1,15 +1,38 @@
-"""Algorithm registry: one module per algorithm, looked up by the name in the experiment config."""
+"""Algorithm registry: one module per algorithm, looked up by the name in the experiment config.
+
+Modules in this package that define a ``Strategy`` subclass with a ``name`` register themselves by
+being here — adding an algorithm means adding one file, and no list elsewhere can forget it.
+"""
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import pkgutil
 from typing import Any
 
 from pydantic import ValidationError
 
 from shared.algorithms.base import Strategy, StrategyContext
-from shared.algorithms.fedavg import FedAvg
 
-REGISTRY: dict[str, type[Strategy]] = {cls.name: cls for cls in (FedAvg,)}
+_INFRA = {"base", "training"}
+
+
+def _discover() -> dict[str, type[Strategy]]:
+    found: dict[str, type[Strategy]] = {}
+    for info in pkgutil.iter_modules(__path__):
+        if info.name in _INFRA or info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        for _, obj in inspect.getmembers(module, inspect.isclass):
+            if issubclass(obj, Strategy) and obj.__module__ == module.__name__ and "name" in obj.__dict__:
+                if obj.name in found:
+                    raise RuntimeError(f"algorithm name {obj.name!r} defined twice")
+                found[obj.name] = obj
+    return found
+
+
+REGISTRY: dict[str, type[Strategy]] = _discover()
 
 
 def get(name: str) -> type[Strategy]:

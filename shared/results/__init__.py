@@ -33,6 +33,8 @@ ROUND_COLUMNS = [
     "round_seconds",
     "virtual_seconds",
     "density",
+    "train_flops",
+    "train_loss",
 ]
 
 
