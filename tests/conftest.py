@@ -113,7 +113,7 @@ def write_config(path: Path, **overrides: Any) -> Path:
         "dataset": {"name": "digits", "partition": "iid", "train_limit": 800},
         "model": {"name": "mlp", "options": {"hidden": [32]}},
         "algorithm": {"name": "fedavg"},
-        "train": {"local_epochs": 1, "batch_size": 16, "lr": 0.1},
+        "train": {"local_epochs": 2, "batch_size": 16, "lr": 0.3},
         "processes": {"aggregators": 2, "clients": 2, "prefetch": 8},
     }
     for key, value in overrides.items():
@@ -164,9 +164,12 @@ class Cluster:
         self.env = dict(os.environ, RABBITMQ_URL=url, PYTHONPATH=str(ROOT))
 
     def _start(self, name: str, argv: list[str]) -> Proc:
+        return self._start_with_port(name, argv, 0)
+
+    def _start_with_port(self, name: str, argv: list[str], port: int) -> Proc:
         p = Proc(
             name,
-            [*argv, "--config", str(self.config), "--experiment", self.exp, "--metrics-port", "0"],
+            [*argv, "--config", str(self.config), "--experiment", self.exp, "--metrics-port", str(port)],
             self.workdir / f"{name}.log",
             self.env,
         )
@@ -214,6 +217,13 @@ def cluster(broker_url: str, experiment_id: str, tmp_path: Path) -> Iterator[Any
     for c in made:
         c.stop_all()
         c.cleanup_broker()
+
+
+def read_rounds(run_dir: Path) -> list[dict[str, str]]:
+    import csv
+
+    with (run_dir / "rounds.csv").open() as f:
+        return list(csv.DictReader(f))
 
 
 def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.1) -> None:

@@ -48,7 +48,10 @@ def test_nested_unknown_key_is_dotted(tmp_path: Path) -> None:
     [
         ("name: x\nrounds: 0\nnum_devices: 4\ndevices_per_round: 2\n", "'rounds'"),
         ("name: x\nrounds: 2\nnum_devices: 4\ndevices_per_round: 9\n", "exceeds num_devices"),
-        ("name: x\nrounds: 2\nnum_devices: 4\ndevices_per_round: 2\ndataset: {partition: random}\n", "partition"),
+        (
+            "name: x\nrounds: 2\nnum_devices: 4\ndevices_per_round: 2\ndataset: {partition: random}\n",
+            "partition",
+        ),
         ("- just\n- a list\n", "top level must be a mapping"),
         ("name: [unclosed\n", "not valid YAML"),
     ],
@@ -70,7 +73,7 @@ def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
 def test_algorithm_options_are_strict() -> None:
     from shared import algorithms
 
-    with pytest.raises(ValueError, match="algorithm.options.alpha"):
+    with pytest.raises(ValueError, match=r"algorithm\.options\.alpha"):
         algorithms.parse_options("fedavg", {"alpha": 1})
     with pytest.raises(ValueError, match="unknown algorithm 'fedsgd'"):
         algorithms.get("fedsgd")

@@ -25,14 +25,22 @@ def _sample(kind: Kind) -> object:
     samples = {
         Kind.REGISTER: Register(client_id="c0", devices=[{"device_id": 3, "num_samples": 10}]),
         Kind.UPDATE: Update(device_id=3, num_samples=10, tensors={"w": t}, metrics={"train_loss": 0.5}),
-        Kind.PARTIAL: Partial(aggregator_id="a", seq=1, devices=[1, 2], tensors={"w": t}, scalars={"weight": 2}),
+        Kind.PARTIAL: Partial(
+            aggregator_id="a", seq=1, devices=[1, 2], tensors={"w": t}, scalars={"weight": 2}
+        ),
     }
     return samples.get(kind) or BODY_MODELS[kind].model_validate(
         {
             Kind.HEARTBEAT: {"client_id": "c", "devices": [1]},
             Kind.ROUND_OPEN: {"selected": [1, 2], "deadline_unix": 1.0},
             Kind.TASK: {"device_id": 1, "tensors": {"w": t}},
-            Kind.RECEIPT: {"device_id": 1, "aggregator_id": "a", "update_bytes": 1, "dense_bytes": 1, "num_samples": 1},
+            Kind.RECEIPT: {
+                "device_id": 1,
+                "aggregator_id": "a",
+                "update_bytes": 1,
+                "dense_bytes": 1,
+                "num_samples": 1,
+            },
             Kind.REJECT: {"device_id": 1, "reason": "memory"},
             Kind.FLUSH: {},
             Kind.DECISION: {"seq": 1, "accepted": True},
@@ -52,7 +60,9 @@ def test_every_message_round_trips(kind: Kind) -> None:
 
 
 def test_tensors_survive_the_envelope() -> None:
-    env, body = decode(encode(Kind.UPDATE, _sample(Kind.UPDATE), exp="e", round=1, sender="d"), max_bytes=LIMIT)  # type: ignore[arg-type]
+    _env, body = decode(
+        encode(Kind.UPDATE, _sample(Kind.UPDATE), exp="e", round=1, sender="d"), max_bytes=LIMIT
+    )  # type: ignore[arg-type]
     t = codec.decode(body.tensors["w"])
     assert isinstance(t, codec.Dense)
     np.testing.assert_array_equal(t.array, np.arange(6, dtype=np.float32).reshape(2, 3))
@@ -69,12 +79,46 @@ def test_wrong_body_type_is_refused_when_sending() -> None:
         (b"\xc1\xc1garbage", "malformed"),
         (codec.packb({"v": 1, "kind": "update"}), "schema"),
         (codec.packb([1, 2, 3]), "schema"),
-        (codec.packb({"v": 1, "kind": "teleport", "exp": "e", "round": 1, "sender": "s", "id": "x", "body": {}}), "schema"),
-        (codec.packb({"v": 99, "kind": "flush", "exp": "e", "round": 1, "sender": "s", "id": "x", "body": {}}), "schema"),
-        (codec.packb({"v": 1, "kind": "update", "exp": "e", "round": 1, "sender": "s", "id": "x",
-                      "body": {"device_id": -1, "num_samples": 1}}), "schema"),
-        (codec.packb({"v": 1, "kind": "flush", "exp": "e", "round": 1, "sender": "s", "id": "x",
-                      "body": {"surprise": 1}}), "schema"),
+        (
+            codec.packb(
+                {"v": 1, "kind": "teleport", "exp": "e", "round": 1, "sender": "s", "id": "x", "body": {}}
+            ),
+            "schema",
+        ),
+        (
+            codec.packb(
+                {"v": 99, "kind": "flush", "exp": "e", "round": 1, "sender": "s", "id": "x", "body": {}}
+            ),
+            "schema",
+        ),
+        (
+            codec.packb(
+                {
+                    "v": 1,
+                    "kind": "update",
+                    "exp": "e",
+                    "round": 1,
+                    "sender": "s",
+                    "id": "x",
+                    "body": {"device_id": -1, "num_samples": 1},
+                }
+            ),
+            "schema",
+        ),
+        (
+            codec.packb(
+                {
+                    "v": 1,
+                    "kind": "flush",
+                    "exp": "e",
+                    "round": 1,
+                    "sender": "s",
+                    "id": "x",
+                    "body": {"surprise": 1},
+                }
+            ),
+            "schema",
+        ),
         (b"\x00" * (LIMIT + 1), "oversized"),
     ],
 )

@@ -19,7 +19,7 @@ from shared import metrics
 from shared.algorithms.base import DeviceContext, TaskSpec, derive_seed
 from shared.experiment import Experiment
 from shared.schemas import DeviceInfo, Envelope, Kind, Register, Reject, Task, Update
-from shared.transport import KEY_CLIENTS, KEY_SERVER, KEY_UPDATE, Delivery, Transport, key_task
+from shared.transport import KEY_CLIENTS, KEY_SERVER, KEY_UPDATE, Delivery, Transport, Unroutable, key_task
 
 REGISTER_EVERY_S = 10.0
 
@@ -56,8 +56,6 @@ class Client(ServiceBase):
         self.data = {d: exp.device_data(d) for d in self.device_ids}
         self.last_register = 0.0
         names = transport.names
-        for queue, key in ((names.server_queue, KEY_SERVER), (names.updates_queue, KEY_UPDATE)):
-            transport.declare_queue(queue, [key])
         own = names.client_queue(client_id)
         transport.declare_queue(own, [KEY_CLIENTS, *(key_task(d) for d in self.device_ids)])
         handlers: dict[Kind, MessageHandler] = {Kind.TASK: self.on_task, Kind.STOP: self.on_stop}
@@ -68,12 +66,21 @@ class Client(ServiceBase):
         )
 
     def register(self) -> None:
+        """Announce the hosted devices; repeated every few seconds so a (re)started server learns them.
+
+        Clients may not declare the server's queue (least privilege on the broker), so before the
+        server exists a registration is unroutable: that is expected, and retried soon.
+        """
         infos = [
             DeviceInfo(device_id=d, tier="default", num_samples=len(self.data[d].y_train))
             for d in self.device_ids
         ]
-        self.send(KEY_SERVER, Kind.REGISTER, Register(client_id=self.client_id, devices=infos), round=0)
         self.last_register = time.time()
+        try:
+            self.send(KEY_SERVER, Kind.REGISTER, Register(client_id=self.client_id, devices=infos), round=0)
+        except Unroutable:
+            self.log.info("no server yet; will register again", extra={"event": "register_retry"})
+            self.last_register -= REGISTER_EVERY_S - 1.0  # retry in a second
 
     def tick(self) -> None:
         if time.time() - self.last_register >= REGISTER_EVERY_S:

@@ -58,6 +58,7 @@ from shared.transport import (
     KEY_AGGREGATORS,
     KEY_CLIENTS,
     KEY_SERVER,
+    KEY_UPDATE,
     Delivery,
     Transport,
     Unroutable,
@@ -104,6 +105,7 @@ class Server(ServiceBase):
         self.error: str | None = None
 
         transport.declare_queue(transport.names.server_queue, [KEY_SERVER])
+        transport.declare_queue(transport.names.updates_queue, [KEY_UPDATE])
         handlers: dict[Kind, MessageHandler] = {
             Kind.REGISTER: self.on_register,
             Kind.HEARTBEAT: self.on_heartbeat,
@@ -249,6 +251,10 @@ class Server(ServiceBase):
                     )
                     self.log.error(self.error, extra={"event": "registration_failed"})
                     self.stopped = True
+        elif self.phase == "waiting":
+            if now - self.last_flush >= FLUSH_RETRY_S:
+                self.last_flush = now
+                self._open_round()
         elif self.phase == "open":
             accounted = set(self.receipts) | set(self.rejects) | self.unreachable
             if accounted >= set(self.selected):
@@ -285,24 +291,35 @@ class Server(ServiceBase):
         return sorted(int(x) for x in rng.choice(candidates, size=k, replace=False))
 
     def _open_round(self) -> None:
+        selected = self._select(self.round + 1)
+        started = time.time()
+        deadline = started + self.cfg.round_timeout_s
+        try:
+            self.send(
+                KEY_AGGREGATORS,
+                Kind.ROUND_OPEN,
+                RoundOpen(selected=selected, deadline_unix=deadline),
+                round=self.round + 1,
+                inc=self.incarnation,
+            )
+        except Unroutable:
+            # No aggregator is listening (not started yet, or all gone): nothing could be aggregated,
+            # so the round waits rather than burning its deadline.
+            if self.phase != "waiting":
+                self.log.warning("no aggregator is running; waiting", extra={"event": "no_aggregator"})
+            self.phase = "waiting"
+            return
         self._reset_round()
         self.round += 1
         self.phase = "open"
-        self.selected = self._select(self.round)
-        self.round_started = time.time()
-        self.deadline = self.round_started + self.cfg.round_timeout_s
+        self.selected = selected
+        self.round_started = started
+        self.deadline = deadline
         labels = (self.experiment, self.algorithm)
         metrics.ROUND.labels(*labels).set(self.round)
         metrics.ROUND_OPEN.labels(*labels).set(1)
         metrics.ROUND_STARTED.labels(*labels).set(self.round_started)
         metrics.ROUND_DEADLINE.labels(*labels).set(self.deadline)
-        self.send(
-            KEY_AGGREGATORS,
-            Kind.ROUND_OPEN,
-            RoundOpen(selected=self.selected, deadline_unix=self.deadline),
-            round=self.round,
-            inc=self.incarnation,
-        )
         tasks = self.strategy.plan(self.state, self.round, self.selected)
         encoded: dict[int, tuple[dict[str, Any], int]] = {}  # by id(TaskSpec): encode shared tasks once
         for dev in self.selected:
@@ -338,6 +355,11 @@ class Server(ServiceBase):
             extra={"event": "round_open", "round": self.round},
         )
 
+    def _broadcast(self, key: str, kind: Kind, body: Any, *, round: int, inc: str) -> None:
+        """A broadcast nobody is bound for is not an error (e.g. every aggregator has exited)."""
+        with contextlib.suppress(Unroutable):
+            self.send(key, kind, body, round=round, inc=inc)
+
     def _participant_metrics(self, participants: list[int]) -> dict[str, float]:
         """Means of the metrics the round's participants reported.
 
@@ -352,14 +374,16 @@ class Server(ServiceBase):
             if r is None:
                 continue
             for key, value in r.metrics.items():
-                w = r.metrics.get("eval_samples", 1.0) if key.startswith("eval_") else float(r.num_samples or 1)
+                eval_metric = key.startswith("eval_")
+                w = r.metrics.get("eval_samples", 1.0) if eval_metric else float(r.num_samples or 1)
                 sums[key] = sums.get(key, 0.0) + w * value
                 weights[key] = weights.get(key, 0.0) + w
         return {k: sums[k] / weights[k] for k in sums if weights[k] > 0}
 
     def _broadcast_flush(self, now: float) -> None:
         self.last_flush = now
-        self.send(KEY_AGGREGATORS, Kind.FLUSH, Flush(), round=self.round, inc=self.incarnation)
+        with contextlib.suppress(Unroutable):  # every aggregator gone: the flush deadline decides
+            self.send(KEY_AGGREGATORS, Kind.FLUSH, Flush(), round=self.round, inc=self.incarnation)
 
     def _start_flush(self, now: float) -> None:
         self.phase = "flushing"
@@ -449,7 +473,7 @@ class Server(ServiceBase):
             f"{ev['accuracy']:.4f}" if "accuracy" in ev else "-",
             extra={"event": "round_done", "round": self.round, "f_outcome": outcome},
         )
-        self.send(
+        self._broadcast(
             KEY_AGGREGATORS,
             Kind.ROUND_SUMMARY,
             RoundSummary(
@@ -473,8 +497,7 @@ class Server(ServiceBase):
         self.phase = "done"
         self.write_results()  # before stopping the others: a caller may treat their exit as "done"
         for key in (KEY_CLIENTS, KEY_AGGREGATORS):
-            with contextlib.suppress(Unroutable):
-                self.send(key, Kind.STOP, Stop(), round=self.round, inc=self.incarnation)
+            self._broadcast(key, Kind.STOP, Stop(), round=self.round, inc=self.incarnation)
         self.stopped = True
 
     # -- results and checkpoints -----------------------------------------------------------------

@@ -35,6 +35,8 @@ T = TypeVar("T")
 
 _CONNECTION_ERRORS = (
     pika.exceptions.AMQPConnectionError,
+    pika.exceptions.AMQPHeartbeatTimeout,
+    pika.exceptions.ConnectionWrongStateError,
     pika.exceptions.StreamLostError,
     pika.exceptions.ConnectionClosedByBroker,
     pika.exceptions.ChannelWrongStateError,
