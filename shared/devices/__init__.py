@@ -1,0 +1,91 @@
+"""The device layer: profiles and fleets, the memory accountant, FLOPs, link/compute emulation and
+availability. Services import from here; see docs/fleets.md for the user-facing description.
+"""
+
+from __future__ import annotations
+
+from .availability import dropout_point, drops_out, is_online, online_devices, over_select
+from .fleet import (
+    PRESETS,
+    FleetSpec,
+    Range,
+    TierSpec,
+    build_fleet,
+    load_trace,
+    parse_fleet_spec,
+    write_trace,
+)
+from .flops import LayerFlops, forward_flops, layer_flops, training_flops
+from .link import (
+    TimeMode,
+    TokenBucket,
+    VirtualClock,
+    compute_seconds,
+    emulate_compute,
+    emulate_transfer,
+    throttle,
+    transfer_seconds,
+)
+from .memory import (
+    Admission,
+    CapacityCount,
+    Optimizer,
+    TrainingFootprint,
+    admit,
+    clear_cache,
+    embracingfl_capacity,
+    embracingfl_counts,
+    estimate_activation_bytes,
+    format_bytes,
+    measure_activation_bytes,
+    trainable_except,
+    training_footprint,
+)
+from .profile import Device, DeviceProfile, FleetError, OnlineTrace, parse_quantity, trace_allows
+
+__all__ = [
+    "PRESETS",
+    "Admission",
+    "CapacityCount",
+    "Device",
+    "DeviceProfile",
+    "FleetError",
+    "FleetSpec",
+    "LayerFlops",
+    "OnlineTrace",
+    "Optimizer",
+    "Range",
+    "TierSpec",
+    "TimeMode",
+    "TokenBucket",
+    "TrainingFootprint",
+    "VirtualClock",
+    "admit",
+    "build_fleet",
+    "clear_cache",
+    "compute_seconds",
+    "dropout_point",
+    "drops_out",
+    "embracingfl_capacity",
+    "embracingfl_counts",
+    "emulate_compute",
+    "emulate_transfer",
+    "estimate_activation_bytes",
+    "format_bytes",
+    "forward_flops",
+    "is_online",
+    "layer_flops",
+    "load_trace",
+    "measure_activation_bytes",
+    "online_devices",
+    "over_select",
+    "parse_fleet_spec",
+    "parse_quantity",
+    "throttle",
+    "trace_allows",
+    "trainable_except",
+    "training_flops",
+    "training_footprint",
+    "transfer_seconds",
+    "write_trace",
+]
