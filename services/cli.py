@@ -228,6 +228,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     if (run_dir / "summary.json").exists():
         console.print(f"[red]{run_dir} already holds a finished run[/red]; choose another --run-id")
         return 2
+    # Build the experiment once here so that a bad fleet, dataset or algorithm option is refused
+    # before any process starts, with the error that names the file, row and field.
+    from shared.data import DatasetUnavailable
+    from shared.devices import FleetError
+    from shared.experiment import Experiment
+
+    try:
+        exp = Experiment.build(cfg)
+        _ = exp.strategy, exp.fleet, exp.partitions
+    except (FleetError, DatasetUnavailable, ValueError) as err:
+        console.print(f"[red]cannot run {args.config}[/red]\n{err}")
+        return 2
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_config(cfg))
 

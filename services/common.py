@@ -123,6 +123,10 @@ class ServiceBase:
     ) -> int:
         """Encode, publish (confirmed) and count one message; returns its wire size in bytes."""
         data = encode(kind, body, exp=self.experiment, round=round, sender=sender or self.service, inc=inc)
+        return self.publish_raw(key, kind, data, dense_bytes=dense_bytes)
+
+    def publish_raw(self, key: str, kind: Kind, data: bytes, *, dense_bytes: int = 0) -> int:
+        """Publish an already-encoded message and count it — the one place wire bytes are counted."""
         self.transport.publish(key, data)
         labels = (self.experiment, self.algorithm, self.service, DIRECTION.get(kind, "control"), kind.value)
         metrics.WIRE_BYTES.labels(*labels).inc(len(data))

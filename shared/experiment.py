@@ -17,6 +17,7 @@ from shared import algorithms
 from shared.algorithms.base import DeviceData, Strategy, StrategyContext, derive_seed
 from shared.config import ExperimentConfig
 from shared.data import Dataset, load_dataset, partition, split_local
+from shared.devices import Device, Optimizer, build_fleet, training_footprint
 from shared.models import build_model
 
 
@@ -71,8 +72,31 @@ class Experiment:
             train=self.cfg.train,
             seed=self.cfg.seed,
             options=options,
+            optimizer=self.optimizer,
         )
         return cls(ctx)
+
+    @property
+    def optimizer(self) -> Optimizer:
+        return "sgd_momentum" if self.cfg.train.momentum > 0 else "sgd"
+
+    @cached_property
+    def full_footprint_bytes(self) -> int:
+        """Training footprint of the whole model at the configured batch size (the 100% of fleets)."""
+        return training_footprint(
+            self.model(), self.dataset.input_shape, self.cfg.train.batch_size, optimizer=self.optimizer
+        ).total
+
+    @cached_property
+    def fleet(self) -> list[Device]:
+        """The devices, built the same way in every process from the config and seed."""
+        return build_fleet(
+            self.cfg.fleet,
+            self.cfg.num_devices,
+            full_footprint_bytes=self.full_footprint_bytes,
+            seed=self.cfg.seed,
+            source="fleet",
+        )
 
     def device_data(self, device_id: int) -> DeviceData:
         idx = self.partitions[device_id]

@@ -47,10 +47,10 @@ def _assert_same_model(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> No
     assert worst <= 1e-6, f"max |Δw| = {worst}"
 
 
-def _inproc_reference(config: Path, tmp_path: Path) -> dict[str, np.ndarray]:
+def _inproc_reference(config: Path, tmp_path: Path, exp_id: str | None = None) -> dict[str, np.ndarray]:
     run = tmp_path / "inproc"
     run.mkdir()
-    assert _run_inproc(load_config(config), run, f"ref{os.getpid()}{time.time_ns()}") == 0
+    assert _run_inproc(load_config(config), run, exp_id or f"ref{os.getpid()}{time.time_ns()}") == 0
     return _model(run)
 
 
@@ -286,3 +286,49 @@ def test_server_restart_resumes_from_checkpoint(cluster: Any, tmp_path: Path) ->
     rounds = [int(r["round"]) for r in read_rounds(c.run_dir)]
     assert rounds == [1, 2, 3, 4, 5]
     _assert_same_model(_model(c.run_dir), _inproc_reference(config, tmp_path))
+
+
+def test_fleet_with_rejections_dropouts_and_over_selection_over_amqp(cluster: Any, tmp_path: Path) -> None:
+    """Admission, availability and the ready/go first-K protocol over the real broker give exactly the
+    in-process run (same experiment id, so the same bytes and the same emulated times)."""
+    fleet = {
+        "tiers": {
+            "small": {
+                "fraction": 0.25,
+                "memory_fraction": 0.5,
+                "uplink_bps": 1e6,
+                "downlink_bps": 4e6,
+                "latency_s": 0.02,
+                "flops_per_s": 1e9,
+            },
+            "phone": {
+                "fraction": 0.75,
+                "memory_fraction": 2.0,
+                "uplink_bps": 2e6,
+                "downlink_bps": 8e6,
+                "latency_s": {"min": 0.01, "max": 0.3},
+                "flops_per_s": {"min": 2e8, "max": 2e9},
+                "p_online": 0.8,
+                "p_dropout": 0.15,
+            },
+        }
+    }
+    config = write_config(
+        tmp_path / "c.yaml",
+        rounds=4,
+        devices_per_round=4,
+        fleet=fleet,
+        emulation={"over_selection": 1.5, "round_deadline_s": 60},
+    )
+    c = cluster(config)
+    _finish(_standard(c))
+    rows = read_rounds(c.run_dir)
+    assert sum(int(r["rejected"]) for r in rows) > 0
+    assert all(int(r["participants"]) <= 4 for r in rows)
+    _assert_same_model(_model(c.run_dir), _inproc_reference(config, tmp_path, exp_id=c.exp))
+    amqp_rows = [(r["participants"], r["rejected"], r["dropped"], r["virtual_seconds"]) for r in rows]
+    ref_rows = [
+        (r["participants"], r["rejected"], r["dropped"], r["virtual_seconds"])
+        for r in read_rounds(tmp_path / "inproc")
+    ]
+    assert amqp_rows == ref_rows

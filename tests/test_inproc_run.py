@@ -58,8 +58,9 @@ def test_inproc_run_writes_readable_results(tmp_path: Path, capsys: pytest.Captu
     assert set(summary) >= SUMMARY_KEYS
     assert summary["transport"] == "inproc" and summary["rounds"] == 4
     assert summary["final_accuracy"] > 0.5  # 10 classes: chance is 0.1
-    # FedAvg sends dense float32: wire bytes are the dense bytes plus small headers
-    assert 1.0 <= summary["bytes_up"] / summary["dense_bytes_up"] < 1.05
+    # FedAvg sends dense float32: wire bytes are the dense bytes plus headers (envelope, metrics,
+    # timings: ~0.8 KB on this 2,410-parameter model)
+    assert 1.0 <= summary["bytes_up"] / summary["dense_bytes_up"] < 1.10
     rows = list(csv.DictReader((run / "rounds.csv").open()))
     assert set(rows[0]) >= ROUND_KEYS and len(rows) == 4
     assert [int(r["participants"]) for r in rows] == [4, 4, 4, 4]

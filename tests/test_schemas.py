@@ -46,6 +46,8 @@ def _sample(kind: Kind) -> object:
             Kind.DECISION: {"seq": 1, "accepted": True},
             Kind.ROUND_SUMMARY: {"outcome": "completed"},
             Kind.STOP: {},
+            Kind.READY: {"device_id": 1, "finish_s": 2.5, "update_bytes": 100},
+            Kind.GO: {"device_id": 1, "upload": False, "reason": "deadline"},
         }[kind]
     )
 

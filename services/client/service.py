@@ -1,30 +1,51 @@
-"""The client: one process hosting M emulated devices.
+"""The client: one process hosting M emulated devices, whose limits it enforces.
 
-For each task addressed to one of its devices it decodes the payload, asks whether the task fits the
-device (admission — a refusal is a ``reject`` message, never a silent skip), trains with the
-strategy's client half on that device's local data and private state directory, and publishes the
-update. The task is acked only after the update (or the reject) is confirmed by the broker, so a
-client killed mid-training loses nothing but time: its tasks wait in its durable queue.
+For each task addressed to one of its devices it:
+
+1. **admits** it — the task's training footprint (parameters, gradients, optimizer state, measured
+   activations; ``Strategy.task_footprint``) against the device's memory budget; a task that does not
+   fit is refused with a ``reject`` naming both numbers, never trained and never silently skipped;
+2. emulates the **download** over the device's link (latency + bytes × 8 / bandwidth of the bytes
+   actually received), then lets the device **drop out** if its availability coin says so;
+3. **trains** with the strategy's client half and emulates **compute** time (task FLOPs / device
+   FLOP/s);
+4. emulates the **upload** of the encoded update and publishes it — or, when the round keeps only the
+   first finishers, reports ``ready`` and waits for the server's ``go``.
+
+Time is ``virtual`` (durations computed and carried in the update; nothing sleeps) or ``real`` (the
+client sleeps them, divided by the time factor). A task is acked only after its outcome is published,
+so a client killed mid-training loses nothing but time: its tasks wait in its durable queue.
+
+Real mode serialises the devices of one process (one task at a time); run more client processes to
+emulate many devices concurrently.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from services.common import MessageHandler, ServiceBase, decode_tensors, encode_tensors
 from shared import metrics
 from shared.algorithms.base import DeviceContext, TaskSpec, derive_seed
+from shared.devices import Device, admit, dropout_point, emulate_compute, emulate_transfer, transfer_seconds
 from shared.experiment import Experiment
-from shared.schemas import DeviceInfo, Envelope, Kind, Register, Reject, Task, Update
+from shared.schemas import DeviceInfo, Envelope, Go, Kind, Ready, Register, Reject, Task, Update, encode
 from shared.transport import KEY_CLIENTS, KEY_SERVER, KEY_UPDATE, Delivery, Transport, Unroutable, key_task
 
 REGISTER_EVERY_S = 10.0
 
-#: admission hook: (device_id, task) -> a Reject to send, or None to train
-Admission = Callable[[int, TaskSpec], Reject | None]
+
+@dataclass
+class _Held:
+    """A trained update waiting for the server's ``go`` (first-finishers rounds)."""
+
+    body: bytes
+    dense_bytes: int
+    upload_s: float
+    device: Device
 
 
 class Client(ServiceBase):
@@ -39,7 +60,6 @@ class Client(ServiceBase):
         client_id: str,
         device_ids: list[int],
         state_dir: Path,
-        admission: Admission | None = None,
         prefetch: int = 2,
     ) -> None:
         cfg = exp.cfg
@@ -52,13 +72,26 @@ class Client(ServiceBase):
         self.client_id = client_id
         self.device_ids = sorted(device_ids)
         self.state_dir = state_dir
-        self.admission = admission
+        self.emulation = cfg.emulation
+        self.fleet = {d.device_id: d for d in exp.fleet}
+        #: first-finishers protocol: when on, devices report ``ready`` and upload only on ``go``
+        self.ready_protocol = cfg.emulation.over_selection > 1 or cfg.emulation.round_deadline_s is not None
+        self.held: dict[tuple[str, int, int], _Held] = {}
+        for device in exp.fleet:
+            if device.device_id in device_ids:
+                metrics.MEMORY_BUDGET_BYTES.labels(experiment_id, device.tier).set(
+                    device.profile.memory_bytes
+                )
         self.data = {d: exp.device_data(d) for d in self.device_ids}
         self.last_register = 0.0
         names = transport.names
         own = names.client_queue(client_id)
         transport.declare_queue(own, [KEY_CLIENTS, *(key_task(d) for d in self.device_ids)])
-        handlers: dict[Kind, MessageHandler] = {Kind.TASK: self.on_task, Kind.STOP: self.on_stop}
+        handlers: dict[Kind, MessageHandler] = {
+            Kind.TASK: self.on_task,
+            Kind.GO: self.on_go,
+            Kind.STOP: self.on_stop,
+        }
         transport.consume(own, lambda d: self.dispatch(d, handlers), prefetch=prefetch)
         self.register()
         self.log.info(
@@ -72,7 +105,12 @@ class Client(ServiceBase):
         server exists a registration is unroutable: that is expected, and retried soon.
         """
         infos = [
-            DeviceInfo(device_id=d, tier="default", num_samples=len(self.data[d].y_train))
+            DeviceInfo(
+                device_id=d,
+                tier=self.fleet[d].tier,
+                num_samples=len(self.data[d].y_train),
+                profile=self.fleet[d].profile.model_dump(mode="json"),
+            )
             for d in self.device_ids
         ]
         self.last_register = time.time()
@@ -90,23 +128,67 @@ class Client(ServiceBase):
         d.ack()
         self.stopped = True
 
+    def _notify(self, env: Envelope, dev: int, body: Reject | Ready, kind: Kind) -> None:
+        self.send(KEY_SERVER, kind, body, round=env.round, inc=env.inc, sender=f"device-{dev}")
+
+    def _observe(self, metric: Any, tier: str, seconds: float, real_s: float | None, **labels: str) -> None:
+        metric.labels(self.experiment, self.algorithm, tier, *labels.values(), "virtual").observe(seconds)
+        if real_s is not None:
+            metric.labels(self.experiment, self.algorithm, tier, *labels.values(), "real").observe(real_s)
+
     def on_task(self, env: Envelope, msg: Task, d: Delivery) -> None:
         dev = msg.device_id
         if dev not in self.data:
             self.reject(d, "unknown-device", f"device {dev} is not hosted by {self.client_id}")
             return
+        device = self.fleet[dev]
+        profile, tier = device.profile, device.tier
+        mode, factor = self.emulation.time_mode, self.emulation.time_factor
+        real = mode == "real"
         task = TaskSpec(decode_tensors(msg.tensors), dict(msg.config))
         task_bytes = len(d.body)
-        tier = "default"
-        if self.admission is not None:
-            refusal = self.admission(dev, task)
-            if refusal is not None:
-                refusal.task_bytes = task_bytes
-                self.send(
-                    KEY_SERVER, Kind.REJECT, refusal, round=env.round, inc=env.inc, sender=f"device-{dev}"
+
+        # 1. memory admission: nothing ever trains over budget
+        verdict = admit(self.strategy.task_footprint(task), profile.memory_bytes, tier=tier)
+        metrics.MEMORY_FOOTPRINT_BYTES.labels(self.experiment, self.algorithm, tier).set(
+            verdict.footprint_bytes
+        )
+        if not verdict.admitted:
+            self.log.info(verdict.detail, extra={"event": "reject", "device": dev, "reason": verdict.reason})
+            refusal = Reject(
+                device_id=dev,
+                reason=verdict.reason,
+                detail=verdict.detail,
+                footprint_bytes=verdict.footprint_bytes,
+                budget_bytes=verdict.budget_bytes,
+                task_bytes=task_bytes,
+            )
+            self._notify(env, dev, refusal, Kind.REJECT)
+            d.ack()
+            return
+
+        # 2. download over the device's link, then maybe vanish
+        t0 = time.perf_counter()
+        down_s = emulate_transfer(task_bytes, profile, "down", mode=mode, time_factor=factor)
+        self._observe(
+            metrics.CLIENT_TRANSFER_SECONDS,
+            tier,
+            down_s,
+            time.perf_counter() - t0 if real else None,
+            direction="down",
+        )
+        if dropout_point(device, env.round, self.exp.cfg.seed) is not None:
+            self.log.info("device %d dropped out", dev, extra={"event": "dropout", "device": dev})
+            if not real:
+                # In virtual time the server's deadline would pass at no cost; tell it now instead of
+                # making it wait in wall time. In real mode the device just goes silent.
+                self._notify(
+                    env, dev, Reject(device_id=dev, reason="dropout", task_bytes=task_bytes), Kind.REJECT
                 )
-                d.ack()
-                return
+            d.ack()
+            return
+
+        # 3. train, and emulate the compute time of the task's FLOPs
         ctx = DeviceContext(
             device_id=dev,
             round=env.round,
@@ -117,23 +199,59 @@ class Client(ServiceBase):
         )
         started = time.perf_counter()
         update = self.strategy.train(task, ctx)
-        metrics.CLIENT_TRAIN_SECONDS.labels(self.experiment, self.algorithm, tier).observe(
-            time.perf_counter() - started
+        trained_s = time.perf_counter() - started
+        metrics.CLIENT_TRAIN_SECONDS.labels(self.experiment, self.algorithm, tier).observe(trained_s)
+        flops = self.strategy.task_flops(task, len(self.data[dev].y_train))
+        compute_s = emulate_compute(flops, profile, mode=mode, time_factor=factor, measured_s=trained_s)
+        self._observe(
+            metrics.CLIENT_COMPUTE_SECONDS, tier, compute_s, time.perf_counter() - started if real else None
         )
+
+        # 4. upload: the wire size is known once encoded (timings are fixed-size floats, so filling
+        #    them in does not change it)
         tensors, dense = encode_tensors(update.tensors)
-        self.send(
-            KEY_UPDATE,
-            Kind.UPDATE,
-            Update(
+        metrics_out = {**update.metrics, "train_flops": float(flops)}
+
+        def body(up_s: float) -> bytes:
+            upd = Update(
                 device_id=dev,
                 num_samples=update.num_samples,
                 tensors=tensors,
-                metrics=update.metrics,
+                metrics=metrics_out,
                 task_bytes=task_bytes,
-            ),
-            round=env.round,
-            inc=env.inc,
-            dense_bytes=dense,
-            sender=f"device-{dev}",
-        )
+                timings={"download_s": down_s, "compute_s": compute_s, "upload_s": up_s},
+            )
+            return encode(
+                Kind.UPDATE, upd, exp=self.experiment, round=env.round, sender=f"device-{dev}", inc=env.inc
+            )
+
+        size = len(body(0.0))
+        up_s = transfer_seconds(size, profile.uplink_bps, profile.latency_s)
+        data = body(up_s)
+        if self.ready_protocol:
+            self.held[(env.inc, env.round, dev)] = _Held(data, dense, up_s, device)
+            ready = Ready(device_id=dev, finish_s=down_s + compute_s + up_s, update_bytes=len(data))
+            self._notify(env, dev, ready, Kind.READY)
+        else:
+            self._upload(data, dense, device, up_s)
         d.ack()
+
+    def _upload(self, data: bytes, dense: int, device: Device, up_s: float) -> None:
+        real = self.emulation.time_mode == "real"
+        t0 = time.perf_counter()
+        if real:  # pace the upload for real; the emulated duration is already known
+            emulate_transfer(
+                len(data), device.profile, "up", mode="real", time_factor=self.emulation.time_factor
+            )
+        self.publish_raw(KEY_UPDATE, Kind.UPDATE, data, dense_bytes=dense)
+        real_s = time.perf_counter() - t0 if real else None
+        self._observe(metrics.CLIENT_TRANSFER_SECONDS, device.tier, up_s, real_s, direction="up")
+
+    def on_go(self, env: Envelope, msg: Go, d: Delivery) -> None:
+        held = self.held.pop((env.inc, env.round, msg.device_id), None)
+        if held is not None and msg.upload:
+            self._upload(held.body, held.dense_bytes, held.device, held.upload_s)
+        d.ack()
+        # forget anything older than this round (a round can be abandoned by a server restart)
+        for key in [k for k in self.held if k[1] < env.round]:
+            del self.held[key]

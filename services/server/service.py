@@ -34,6 +34,7 @@ from services.common import MessageHandler, ServiceBase, decode_tensors, encode_
 from shared import metrics
 from shared.algorithms.base import Partial, ServerState, TaskSpec, derive_seed
 from shared.config import ExperimentConfig
+from shared.devices import is_online, over_select
 from shared.experiment import Experiment
 from shared.results import DeviceStats, plot_run, write_devices, write_rounds, write_summary
 from shared.schemas import Decision as DecisionMsg
@@ -41,8 +42,10 @@ from shared.schemas import (
     DeviceInfo,
     Envelope,
     Flush,
+    Go,
     Heartbeat,
     Kind,
+    Ready,
     Receipt,
     Register,
     Reject,
@@ -112,6 +115,7 @@ class Server(ServiceBase):
             Kind.RECEIPT: self.on_receipt,
             Kind.REJECT: self.on_reject,
             Kind.PARTIAL: self.on_partial,
+            Kind.READY: self.on_ready,
         }
         transport.consume(transport.names.server_queue, lambda d: self.dispatch(d, handlers), prefetch=64)
         metrics.DENSITY.labels(self.experiment, self.algorithm).set(self.strategy.density(self.state))
@@ -135,6 +139,11 @@ class Server(ServiceBase):
         self.round_down_bytes = 0
         self.round_dense_down = 0
         self.task_bytes: dict[int, int] = {}
+        self.readies: dict[int, Ready] = {}
+        self.go_sent = False
+        #: selected devices that will not be aggregated, with why: dropout, deadline, surplus
+        self.discarded: dict[int, str] = {}
+        self.offline = 0
 
     def _stats(self, device_id: int) -> DeviceStats:
         st = self.devices.get(device_id)
@@ -182,7 +191,13 @@ class Server(ServiceBase):
         d.ack()
 
     def on_reject(self, env: Envelope, msg: Reject, d: Delivery) -> None:
-        if self._current(env) and msg.device_id in self.selected and msg.device_id not in self.rejects:
+        if not (self._current(env) and msg.device_id in self.selected):
+            d.ack()
+            return
+        if msg.reason == "dropout":
+            # a virtual-time dropout notice: the device will never answer (see the client)
+            self.discarded.setdefault(msg.device_id, "dropout")
+        elif msg.device_id not in self.rejects:
             self.rejects[msg.device_id] = msg
             tier = self._stats(msg.device_id).tier
             metrics.REJECTIONS.labels(self.experiment, self.algorithm, tier, msg.reason).inc()
@@ -197,6 +212,40 @@ class Server(ServiceBase):
                 extra={"event": "reject", "device": msg.device_id, "reason": msg.reason},
             )
         d.ack()
+
+    def on_ready(self, env: Envelope, msg: Ready, d: Delivery) -> None:
+        if self._current(env) and msg.device_id in self.selected and not self.go_sent:
+            self.readies[msg.device_id] = msg
+        d.ack()
+
+    def _decide_uploads(self) -> None:
+        """Keep the first ``devices_per_round`` finishers within the emulated deadline; discard the rest.
+
+        Ranked by emulated finish time (ties by device id), so the choice is deterministic in virtual
+        time and does not depend on which process happened to answer first.
+        """
+        self.go_sent = True
+        deadline = self.cfg.emulation.round_deadline_s
+        ranked = sorted(self.readies.values(), key=lambda r: (r.finish_s, r.device_id))
+        kept = 0
+        for ready in ranked:
+            if deadline is not None and ready.finish_s > deadline:
+                upload, reason = False, "deadline"
+            elif kept >= self.cfg.devices_per_round:
+                upload, reason = False, "surplus"
+            else:
+                upload, reason = True, ""
+                kept += 1
+            if not upload:
+                self.discarded[ready.device_id] = reason
+            with contextlib.suppress(Unroutable):
+                self.send(
+                    key_task(ready.device_id),
+                    Kind.GO,
+                    Go(device_id=ready.device_id, upload=upload, reason=reason),
+                    round=self.round,
+                    inc=self.incarnation,
+                )
 
     def on_partial(self, env: Envelope, msg: PartialMsg, d: Delivery) -> None:
         def decide(accepted: bool, reason: str = "") -> None:
@@ -256,7 +305,12 @@ class Server(ServiceBase):
                 self.last_flush = now
                 self._open_round()
         elif self.phase == "open":
-            accounted = set(self.receipts) | set(self.rejects) | self.unreachable
+            silent = set(self.rejects) | self.unreachable | set(self.discarded)
+            if self.ready_protocol and not self.go_sent:
+                if set(self.readies) | silent >= set(self.selected) or now >= self.deadline:
+                    self._decide_uploads()
+                return
+            accounted = set(self.receipts) | silent
             if accounted >= set(self.selected):
                 self._start_flush(now)
             elif now >= self.deadline:
@@ -280,18 +334,31 @@ class Server(ServiceBase):
                 self._broadcast_flush(now)
 
     @property
+    def ready_protocol(self) -> bool:
+        emu = self.cfg.emulation
+        return emu.over_selection > 1 or emu.round_deadline_s is not None
+
+    @property
     def quorum(self) -> int:
-        return max(1, math.ceil(self.cfg.quorum_fraction * len(self.selected)))
+        target = min(self.cfg.devices_per_round, len(self.selected))
+        return max(1, math.ceil(self.cfg.quorum_fraction * target))
 
     # -- the round -------------------------------------------------------------------------------
-    def _select(self, round: int) -> list[int]:
+    def _select(self, round: int) -> tuple[list[int], int]:
+        """Uniform random selection among the registered devices that are online this round.
+
+        With over-selection, ceil(K x factor) are invited (FedScale-style over-commitment) and the
+        first K finishers are kept. Returns (selected, number of registered devices offline).
+        """
         rng = np.random.default_rng(derive_seed(self.cfg.seed, "select", round) % (2**32))
-        candidates = sorted(self.registry)
-        k = min(self.cfg.devices_per_round, len(candidates))
-        return sorted(int(x) for x in rng.choice(candidates, size=k, replace=False))
+        fleet = self.exp.fleet
+        registered = sorted(self.registry)
+        online = [d for d in registered if is_online(fleet[d], round, self.cfg.seed)]
+        picked = over_select(online, self.cfg.devices_per_round, self.cfg.emulation.over_selection, rng)
+        return sorted(int(x) for x in picked), len(registered) - len(online)
 
     def _open_round(self) -> None:
-        selected = self._select(self.round + 1)
+        selected, offline = self._select(self.round + 1)
         started = time.time()
         deadline = started + self.cfg.round_timeout_s
         try:
@@ -313,6 +380,7 @@ class Server(ServiceBase):
         self.round += 1
         self.phase = "open"
         self.selected = selected
+        self.offline = offline
         self.round_started = started
         self.deadline = deadline
         labels = (self.experiment, self.algorithm)
@@ -414,12 +482,23 @@ class Server(ServiceBase):
             metrics.PARTICIPANTS.labels(self.experiment, self.algorithm, st.tier).inc()
         for dev in self.rejects:
             self._stats(dev).rejected += 1
-        dropped = [d for d in self.selected if d not in self.covered and d not in self.rejects]
+        dropped = [
+            d
+            for d in self.selected
+            if d not in self.covered and d not in self.rejects and self.discarded.get(d) != "surplus"
+        ]
         for dev in dropped:
             st = self._stats(dev)
             st.dropped += 1
-            reason = "unreachable" if dev in self.unreachable else "deadline"
+            reason = "unreachable" if dev in self.unreachable else self.discarded.get(dev, "deadline")
             metrics.DROPOUTS.labels(self.experiment, self.algorithm, st.tier, reason).inc()
+        if self.ready_protocol:
+            # emulated round time: the last kept finisher, or the deadline if the round had to wait for it
+            finishes = [self.readies[d].finish_s for d in participants if d in self.readies]
+            short = len(participants) < min(self.cfg.devices_per_round, len(self.selected))
+            deadline = self.cfg.emulation.round_deadline_s
+            vsec = deadline if short and deadline is not None else max(finishes, default=0.0)
+        metrics.ROUND_VIRTUAL_DURATION.labels(self.experiment, self.algorithm).observe(vsec)
         pm = self._participant_metrics(participants)
         ev: dict[str, float] = {}
         if self.strategy.personalised:
@@ -453,6 +532,7 @@ class Server(ServiceBase):
             "selected": len(self.selected),
             "rejected": len(self.rejects),
             "dropped": len(dropped),
+            "offline": self.offline,
             "wall_seconds": self.wall_offset + now - self.started,
             "round_seconds": now - self.round_started,
             "virtual_seconds": vsec,

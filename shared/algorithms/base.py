@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict
 
 from shared import codec
 from shared.config import TrainConfig
+from shared.devices import TrainingFootprint, training_flops, training_footprint
 
 
 class NoOptions(BaseModel):
@@ -132,6 +133,8 @@ class StrategyContext:
     train: TrainConfig
     seed: int
     options: BaseModel
+    #: optimizer whose state the memory accountant counts ("sgd", "sgd_momentum", "adam")
+    optimizer: str = "sgd"
 
 
 def derive_seed(*parts: int | str) -> int:
@@ -188,8 +191,49 @@ class Strategy(ABC):
 
     # -- accounting --------------------------------------------------------------------------------
     def task_param_names(self, task: TaskSpec) -> set[str] | None:
-        """Parameters the task trains (None = all); used by the memory accountant."""
+        """Parameters the task trains (None = all); used by the memory accountant and FLOPs."""
         return None
+
+    def task_model(self, task: TaskSpec) -> torch.nn.Module:
+        """The model the task really trains (a sub-model for width-sliced algorithms)."""
+        return self.ctx.model_factory()
+
+    def accounting_key(self, task: TaskSpec) -> Hashable:
+        """Tasks with equal keys cost the same; the accountant's results are cached by it.
+
+        Algorithms whose tasks differ in shape (sub-model widths, masks) return what distinguishes them.
+        """
+        names = self.task_param_names(task)
+        return None if names is None else frozenset(names)
+
+    def _accounting(self, task: TaskSpec) -> tuple[TrainingFootprint, int]:
+        key = self.accounting_key(task)
+        cache: dict[Hashable, tuple[TrainingFootprint, int]] = self.__dict__.setdefault("_acct_cache", {})
+        if key not in cache:
+            model = self.task_model(task)
+            trainable = self.task_param_names(task)
+            footprint = training_footprint(
+                model,
+                self.ctx.input_shape,
+                self.ctx.train.batch_size,
+                optimizer=self.ctx.optimizer,  # type: ignore[arg-type]
+                trainable_params=trainable,
+            )
+            per_sample = training_flops(model, self.ctx.input_shape, 1, 1, trainable_params=trainable)
+            cache[key] = (footprint, per_sample)
+        return cache[key]
+
+    def task_footprint(self, task: TaskSpec) -> TrainingFootprint:
+        """Training memory of the task: what admission compares with the device's budget."""
+        return self._accounting(task)[0]
+
+    def task_flops(self, task: TaskSpec, num_samples: int) -> int:
+        """Training FLOPs of the task on ``num_samples`` local samples (forward + backward, all epochs).
+
+        FLOPs are linear in the batch size, so per-sample FLOPs × samples × epochs is exact even when
+        the last batch is short. Masked algorithms override this to count only kept weights.
+        """
+        return self._accounting(task)[1] * num_samples * self.ctx.train.local_epochs
 
 
 def model_arrays(model: torch.nn.Module) -> dict[str, np.ndarray]:

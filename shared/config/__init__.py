@@ -70,6 +70,20 @@ class ProcessConfig(_Strict):
     max_message_bytes: int = Field(256 * 1024 * 1024, ge=1024)
 
 
+class EmulationConfig(_Strict):
+    """How device time is emulated (see docs/fleets.md, "Time modes")."""
+
+    #: ``virtual``: durations are computed and advance a virtual clock (no sleeping, deterministic);
+    #: ``real``: clients really throttle transfers and compute, scaled by ``time_factor``
+    time_mode: Literal["virtual", "real"] = "virtual"
+    #: real mode only: emulated seconds per real second (10 = ten times faster than the devices)
+    time_factor: float = Field(1.0, gt=0)
+    #: invite ceil(devices_per_round x factor) devices and keep the first devices_per_round to finish
+    over_selection: float = Field(1.0, ge=1.0)
+    #: emulated seconds a round may last; later updates are stragglers and are discarded (None = none)
+    round_deadline_s: float | None = Field(None, gt=0)
+
+
 class ExperimentConfig(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
     seed: int = 0
@@ -88,8 +102,9 @@ class ExperimentConfig(_Strict):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     processes: ProcessConfig = Field(default_factory=ProcessConfig)
-    #: device fleet (profiles, budgets); None = uniform unconstrained devices
+    #: device fleet (profiles, budgets; see docs/fleets.md); None = the ``uniform`` preset
     fleet: dict[str, Any] | None = None
+    emulation: EmulationConfig = Field(default_factory=EmulationConfig)
 
     @model_validator(mode="after")
     def _check_counts(self) -> ExperimentConfig:
@@ -139,7 +154,11 @@ def parse_config(data: Any, source: str = "<config>") -> ExperimentConfig:
 
 
 def load_config(path: str | os.PathLike[str]) -> ExperimentConfig:
-    """Read and validate an experiment YAML file."""
+    """Read and validate an experiment YAML file.
+
+    A relative ``fleet.trace_file`` is resolved against the config's directory here, so the resolved
+    config written into a run directory still points at the same file.
+    """
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"{p}: no such config file")
@@ -147,7 +166,19 @@ def load_config(path: str | os.PathLike[str]) -> ExperimentConfig:
         data = yaml.safe_load(p.read_text())
     except yaml.YAMLError as err:
         raise ConfigError(f"{p}: not valid YAML: {err}") from None
-    return parse_config(data, str(p))
+    cfg = parse_config(data, str(p))
+    if cfg.fleet is not None:
+        from shared.devices import FleetError, parse_fleet_spec
+
+        try:
+            parse_fleet_spec(cfg.fleet, source=f"{p}: fleet")
+        except FleetError as err:
+            raise ConfigError(str(err)) from None
+        trace = cfg.fleet.get("trace_file")
+        if isinstance(trace, str) and not Path(trace).is_absolute():
+            fleet = {**cfg.fleet, "trace_file": str((p.parent / trace).resolve())}
+            cfg = cfg.model_copy(update={"fleet": fleet})
+    return cfg
 
 
 def dump_config(cfg: ExperimentConfig) -> str:

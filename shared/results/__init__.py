@@ -29,6 +29,7 @@ ROUND_COLUMNS = [
     "selected",
     "rejected",
     "dropped",
+    "offline",
     "wall_seconds",
     "round_seconds",
     "virtual_seconds",

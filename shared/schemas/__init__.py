@@ -37,6 +37,8 @@ class Kind(StrEnum):
     DECISION = "decision"
     ROUND_SUMMARY = "round_summary"
     STOP = "stop"
+    READY = "ready"
+    GO = "go"
 
 
 class _Body(BaseModel):
@@ -118,6 +120,27 @@ class Reject(_Body):
     task_bytes: int = Field(0, ge=0)
 
 
+class Ready(_Body):
+    """Device → server: trained, and would finish its upload at ``finish_s`` emulated seconds.
+
+    Used when the round keeps only the first devices to finish (over-selection) or cuts stragglers
+    (an emulated deadline): the server ranks devices by their emulated finish time — deterministic
+    in virtual time — before any update bytes are spent.
+    """
+
+    device_id: int = Field(ge=0)
+    finish_s: float = Field(ge=0)
+    update_bytes: int = Field(ge=0)
+
+
+class Go(_Body):
+    """Server → one device: upload your held update (``upload``) or discard it (straggler)."""
+
+    device_id: int = Field(ge=0)
+    upload: bool
+    reason: str = ""
+
+
 class Flush(_Body):
     """Server → aggregators: send what you reduced for this round now."""
 
@@ -173,6 +196,8 @@ BODY_MODELS: dict[Kind, type[_Body]] = {
     Kind.DECISION: Decision,
     Kind.ROUND_SUMMARY: RoundSummary,
     Kind.STOP: Stop,
+    Kind.READY: Ready,
+    Kind.GO: Go,
 }
 
 

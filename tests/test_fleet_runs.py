@@ -1,0 +1,192 @@
+"""The emulated fleet inside real runs: memory admission, virtual link/compute time, availability,
+over-selection, and bad fleet files refused at start."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import REGISTRY
+
+from services.cli import _run_inproc, main
+from shared.config import load_config
+from shared.experiment import Experiment
+from tests.conftest import read_rounds, write_config
+
+
+def _run(tmp_path: Path, name: str, exp_id: str | None = None, **overrides: Any) -> tuple[Path, Experiment]:
+    cfg_path = write_config(tmp_path / f"{name}.yaml", **overrides)
+    cfg = load_config(cfg_path)
+    run = tmp_path / name
+    run.mkdir()
+    # (the experiment id travels in every envelope, so equal ids give byte-identical messages)
+    assert _run_inproc(cfg, run, exp_id or f"{name}-{tmp_path.name}") == 0
+    return run, Experiment.build(cfg)
+
+
+def _devices(run: Path) -> list[dict[str, str]]:
+    with (run / "devices.csv").open() as f:
+        return list(csv.DictReader(f))
+
+
+def test_devices_below_the_footprint_are_refused_every_time(tmp_path: Path) -> None:
+    fleet = {
+        "tiers": {
+            "small": {
+                "fraction": 0.3,
+                "memory_fraction": 0.6,
+                "uplink_bps": 1e7,
+                "downlink_bps": 1e7,
+                "latency_s": 0.01,
+                "flops_per_s": 1e9,
+            },
+            "big": {
+                "fraction": 0.7,
+                "memory_fraction": 1.0,
+                "uplink_bps": 1e7,
+                "downlink_bps": 1e7,
+                "latency_s": 0.01,
+                "flops_per_s": 1e9,
+            },
+        }
+    }
+    before = REGISTRY.get_sample_value(
+        "fedfleet_rejections_total",
+        {"experiment": f"mem-{tmp_path.name}", "algorithm": "fedavg", "tier": "small", "reason": "memory"},
+    )
+    run, exp = _run(tmp_path, "mem", num_devices=10, devices_per_round=5, rounds=4, fleet=fleet)
+    small = {d.device_id for d in exp.fleet if d.tier == "small"}
+    assert len(small) == 3
+    # the budget of a small device really is below the task's footprint, and a big one's is not
+    footprint = exp.strategy.task_footprint(exp.strategy.plan(exp.strategy.init_state(), 1, [0])[0]).total
+    assert all(d.profile.memory_bytes < footprint for d in exp.fleet if d.tier == "small")
+    assert all(d.profile.memory_bytes >= footprint for d in exp.fleet if d.tier == "big")
+    rows = _devices(run)
+    for row in rows:
+        dev, selected = int(row["device_id"]), int(row["selected"])
+        if dev in small:
+            assert row["tier"] == "small"
+            assert int(row["rejected"]) == selected and int(row["completed"]) == 0
+        else:
+            assert int(row["rejected"]) == 0 and int(row["completed"]) == selected
+    assert sum(int(r["selected"]) for r in rows if int(r["device_id"]) in small) > 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["rounds_completed"] == 4
+    assert summary["tiers"]["small"]["rejected"] == summary["tiers"]["small"]["selected"] > 0
+    counted = REGISTRY.get_sample_value(
+        "fedfleet_rejections_total",
+        {"experiment": f"mem-{tmp_path.name}", "algorithm": "fedavg", "tier": "small", "reason": "memory"},
+    )
+    assert (counted or 0) - (before or 0) == summary["tiers"]["small"]["rejected"]
+    assert sum(int(r["rejected"]) for r in read_rounds(run)) == summary["tiers"]["small"]["rejected"]
+
+
+def _uniform(bps: float) -> dict[str, Any]:
+    return {
+        "tiers": {
+            "phone": {
+                "fraction": 1.0,
+                "memory_fraction": 2.0,
+                "uplink_bps": bps,
+                "downlink_bps": bps,
+                "latency_s": 0.05,
+                "flops_per_s": 5e8,
+            }
+        }
+    }
+
+
+@pytest.mark.parametrize("bps", [1e6, 1e8])
+def test_virtual_round_time_is_bytes_over_bandwidth_plus_latency_plus_compute(
+    tmp_path: Path, bps: float
+) -> None:
+    run, exp = _run(
+        tmp_path,
+        f"bw{int(bps)}",
+        rounds=3,
+        model={"name": "mlp", "options": {"hidden": [256, 256]}},
+        fleet=_uniform(bps),
+    )
+    strategy = exp.strategy
+    task = strategy.plan(strategy.init_state(), 1, [0])[0]
+    for row in read_rounds(run):
+        k = int(row["participants"])
+        down = int(row["bytes_down"]) / k  # FedAvg: every device gets the same bytes...
+        up = int(row["bytes_up"]) / k  # ...and sends an update of the same size
+        samples = max(len(exp.device_data(d).y_train) for d in range(exp.cfg.num_devices))
+        expected = 2 * 0.05 + (down + up) * 8 / bps + strategy.task_flops(task, samples) / 5e8
+        assert float(row["virtual_seconds"]) == pytest.approx(expected, rel=0.01)
+    summary = json.loads((run / "summary.json").read_text())
+    if bps == 1e6:
+        # 330 KB each way at 1 Mbit/s is ~5 emulated seconds per round: the run took far less wall
+        # time than it emulated, so nothing slept
+        assert summary["virtual_seconds"] > 12
+        assert summary["wall_seconds"] < summary["virtual_seconds"] / 2
+
+
+def test_availability_dropouts_and_over_selection(tmp_path: Path) -> None:
+    fleet = {
+        "tiers": {
+            "flaky": {
+                "fraction": 1.0,
+                "memory_fraction": 2.0,
+                "uplink_bps": 1e6,
+                "downlink_bps": 4e6,
+                "latency_s": {"min": 0.01, "max": 0.5},
+                "flops_per_s": {"min": 1e8, "max": 4e9},
+                "p_online": 0.7,
+                "p_dropout": 0.2,
+            }
+        }
+    }
+    overrides = {
+        "num_devices": 20,
+        "devices_per_round": 4,
+        "rounds": 6,
+        "fleet": fleet,
+        "emulation": {"over_selection": 1.5, "round_deadline_s": 60},
+    }
+    run_a, _ = _run(tmp_path, "flaky", "flaky", **overrides)
+    rows = read_rounds(run_a)
+    assert sum(int(r["offline"]) for r in rows) > 0, "nobody was ever offline: p_online had no effect"
+    assert sum(int(r["dropped"]) for r in rows) > 0, "nobody ever dropped out: p_dropout had no effect"
+    for r in rows:
+        assert int(r["selected"]) <= math.ceil(4 * 1.5)
+        assert int(r["participants"]) <= 4  # keep the first K, even when more finished
+    assert any(int(r["selected"]) > 4 for r in rows), "over-selection never invited extra devices"
+    # the same seed gives the same run: availability and the first-K cut are deterministic
+    run_b, _ = _run(tmp_path, "flaky2", "flaky", **overrides)
+    key = ("selected", "participants", "dropped", "offline", "virtual_seconds", "accuracy")
+    assert [tuple(r[k] for k in key) for r in rows] == [tuple(r[k] for k in key) for r in read_rounds(run_b)]
+
+
+@pytest.mark.parametrize(
+    ("row", "fragment"),
+    [
+        ("0,big,1000000,1e6,1e6,0.01,1e9,1,0,\n1,big,1000000,1e6,,0.01,1e9,1,0,", "row 2"),
+        ("0,big,1000000,1e6,1e6,0.01,1e9,1,0,\n1,big,1000000,1e6,-8e6,0.01,1e9,1,0,", "downlink_bps"),
+        ("0,big,1000000,1e6,1e6,0.01,1e9,1,0,\n1,huge,1000000,1e6,1e6,0.01,1e9,1,0,", "huge"),
+        ("0,big,0,1e6,1e6,0.01,1e9,1,0,\n1,big,1000000,1e6,1e6,0.01,1e9,1,0,", "memory_bytes"),
+    ],
+)
+def test_bad_fleet_files_are_refused_at_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], row: str, fragment: str
+) -> None:
+    header = (
+        "device_id,tier,memory_bytes,uplink_bps,downlink_bps,latency_s,flops_per_s,p_online,p_dropout,trace"
+    )
+    (tmp_path / "fleet.csv").write_text(f"{header}\n{row}\n")
+    tiers = {"big": {}} if fragment == "huge" else None
+    fleet: dict[str, Any] = {"trace_file": "fleet.csv"}
+    if tiers:
+        fleet["tiers"] = tiers
+    cfg = write_config(tmp_path / "c.yaml", num_devices=2, devices_per_round=1, fleet=fleet)
+    rc = main(["run", str(cfg), "--transport", "inproc", "--runs-dir", str(tmp_path / "runs")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "fleet.csv" in err and fragment in err
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
