@@ -15,7 +15,15 @@ if [ -n "${RABBITMQ_URL:-}" ]; then
   say "RABBITMQ_URL is set but the broker does not answer: $RABBITMQ_URL"; exit 1
 fi
 LOCAL="amqp://guest:guest@127.0.0.1:5672/%2F"
-if probe "$LOCAL"; then echo "$LOCAL"; exit 0; fi
+# RabbitMQ's own Prometheus exporter (queue depths on the dashboard); idempotent, local broker only
+enable_exporter() {
+  local plugins; plugins=$(command -v rabbitmq-plugins || echo /usr/sbin/rabbitmq-plugins)
+  if [ -x "$plugins" ] && ! "$plugins" is_enabled rabbitmq_prometheus >/dev/null 2>&1; then
+    say "enabling rabbitmq_prometheus"
+    "$plugins" enable rabbitmq_prometheus >&2 || say "could not enable rabbitmq_prometheus"
+  fi
+}
+if probe "$LOCAL"; then enable_exporter; echo "$LOCAL"; exit 0; fi
 
 if ! command -v rabbitmq-server >/dev/null 2>&1 && [ ! -x /usr/sbin/rabbitmq-server ]; then
   say "rabbitmq-server is not installed; installing it with apt"
@@ -26,7 +34,7 @@ fi
 say "starting rabbitmq-server"
 (PATH=$PATH:/usr/sbin rabbitmq-server -detached >&2 2>&1 || true)
 for _ in $(seq 1 60); do
-  if probe "$LOCAL"; then say "broker is up"; echo "$LOCAL"; exit 0; fi
+  if probe "$LOCAL"; then say "broker is up"; enable_exporter; echo "$LOCAL"; exit 0; fi
   sleep 2
 done
 say "rabbitmq-server did not come up within 120 s; see /var/log/rabbitmq/"
