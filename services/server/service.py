@@ -584,12 +584,19 @@ class Server(ServiceBase):
     def summary(self) -> dict[str, Any]:
         accs = [r["accuracy"] for r in self.rows if r.get("accuracy") is not None]
         tiers: dict[str, dict[str, float]] = {}
+        per_device = (
+            "selected",
+            "completed",
+            "rejected",
+            "dropped",
+            "bytes_up",
+            "bytes_down",
+            "virtual_seconds",
+        )
         for st in self.devices.values():
-            t = tiers.setdefault(
-                st.tier, {"devices": 0, "selected": 0, "completed": 0, "rejected": 0, "dropped": 0}
-            )
+            t = tiers.setdefault(st.tier, dict.fromkeys(("devices", *per_device), 0))
             t["devices"] += 1
-            for k in ("selected", "completed", "rejected", "dropped"):
+            for k in per_device:
                 t[k] += getattr(st, k)
         return {
             "experiment": self.experiment,
