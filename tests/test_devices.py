@@ -220,8 +220,14 @@ def test_documented_csv_example_loads_and_round_trips(tmp_path: Path) -> None:
 def test_documented_yaml_examples_build(tmp_path: Path) -> None:
     (tmp_path / "fleets").mkdir()
     (tmp_path / "fleets" / "lab.csv").write_text(_doc_block("csv")[0])
-    blocks = _doc_block("yaml")
+    all_blocks = [yaml.safe_load(b) for b in _doc_block("yaml")]
+    blocks = [b for b in _doc_block("yaml") if "fleet" in yaml.safe_load(b)]
     assert len(blocks) == 4
+    # the other documented blocks are the emulation settings, and they validate too
+    from shared.config import EmulationConfig
+
+    others = [b for b in all_blocks if "fleet" not in b]
+    assert others and all(EmulationConfig.model_validate(b["emulation"]) for b in others)
     sizes = {0: 128, 1: 10, 2: 4, 3: 4}
     for i, block in enumerate(blocks):
         spec = yaml.safe_load(block)["fleet"]
