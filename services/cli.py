@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -61,15 +62,22 @@ def _transport(url: str, experiment: str) -> Any:
     return AmqpTransport(url, experiment)
 
 
+_TERMINATED = threading.Event()
+
+
 def _linger(settings: Settings) -> None:
-    """Keep /metrics up a little after the work is done, so Prometheus gets the final counts."""
+    """Keep /metrics up a little after the work is done, so Prometheus gets the final counts.
+
+    A SIGTERM/SIGINT ends the wait at once (``_TERMINATED``), so lingering never delays a shutdown.
+    """
     if settings.linger_s > 0:
-        time.sleep(settings.linger_s)
+        _TERMINATED.wait(settings.linger_s)
 
 
 def _install_signal_handlers(service: Any) -> None:
     def stop(signum: int, frame: Any) -> None:
         service.stopped = True
+        _TERMINATED.set()
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
