@@ -135,6 +135,21 @@ class ServiceBase:
             metrics.DENSE_BYTES.labels(*labels).inc(dense_bytes)
         return len(data)
 
+    def publish_batch(self, kind: Kind, items: list[tuple[str, bytes, int]]) -> set[str]:
+        """Publish (key, data, dense_bytes) messages in one broker round trip; count the routed ones.
+
+        Returns the keys nobody was bound for (those messages were not delivered and are not counted).
+        """
+        unroutable = self.transport.publish_many([(key, data) for key, data, _ in items])
+        labels = (self.experiment, self.algorithm, self.service, DIRECTION.get(kind, "control"), kind.value)
+        for key, data, dense in items:
+            if key not in unroutable:
+                metrics.WIRE_BYTES.labels(*labels).inc(len(data))
+                metrics.MESSAGES.labels(*labels).inc()
+                if dense:
+                    metrics.DENSE_BYTES.labels(*labels).inc(dense)
+        return unroutable
+
     # -- the loop --------------------------------------------------------------------------------
     def tick(self) -> None:
         """Timers (deadlines, heartbeats); called between batches of deliveries."""

@@ -53,6 +53,7 @@ from shared.schemas import (
     RoundSummary,
     Stop,
     Task,
+    encode,
 )
 from shared.schemas import (
     Partial as PartialMsg,
@@ -390,27 +391,34 @@ class Server(ServiceBase):
         metrics.ROUND_DEADLINE.labels(*labels).set(self.deadline)
         tasks = self.strategy.plan(self.state, self.round, self.selected)
         encoded: dict[int, tuple[dict[str, Any], int]] = {}  # by id(TaskSpec): encode shared tasks once
+        batch: list[tuple[str, bytes, int]] = []
         for dev in self.selected:
             spec: TaskSpec = tasks[dev]
             if id(spec) not in encoded:
                 encoded[id(spec)] = encode_tensors(spec.tensors)
             tensors, dense = encoded[id(spec)]
+            body = Task(device_id=dev, tensors=tensors, config=spec.config)
+            data = encode(
+                Kind.TASK,
+                body,
+                exp=self.experiment,
+                round=self.round,
+                sender=self.service,
+                inc=self.incarnation,
+            )
+            batch.append((key_task(dev), data, dense))
             st = self._stats(dev)
             st.selected += 1
             metrics.SELECTED.labels(self.experiment, self.algorithm, st.tier).inc()
-            try:
-                n = self.send(
-                    key_task(dev),
-                    Kind.TASK,
-                    Task(device_id=dev, tensors=tensors, config=spec.config),
-                    round=self.round,
-                    inc=self.incarnation,
-                    dense_bytes=dense,
-                )
-            except Unroutable:
+        # one broker round trip for the whole fan-out, not one confirm per device
+        unroutable = self.publish_batch(Kind.TASK, batch)
+        for dev, (key, data, dense) in zip(self.selected, batch, strict=True):
+            if key in unroutable:
                 self.unreachable.add(dev)
                 self.log.warning("no client hosts device %d any more", dev, extra={"event": "unreachable"})
                 continue
+            st = self._stats(dev)
+            n = len(data)
             self.task_bytes[dev] = n
             self.round_down_bytes += n
             self.round_dense_down += dense

@@ -8,6 +8,8 @@ Integer buffers (BatchNorm's ``num_batches_tracked``) stay on the server and are
 
 from __future__ import annotations
 
+from functools import cached_property
+
 import numpy as np
 
 from shared import codec
@@ -69,15 +71,20 @@ class FedAvg(Strategy):
         )
 
     # -- aggregation half --------------------------------------------------------------------------
+    @cached_property
+    def _expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Names and shapes an update must carry (computed once: aggregators validate every update)."""
+        return {k: v.shape for k, v in model_arrays(self.ctx.model_factory()).items() if v.dtype.kind == "f"}
+
     def validate_update(self, update: UpdateSpec) -> None:
-        expected = {k: v for k, v in model_arrays(self.ctx.model_factory()).items() if v.dtype.kind == "f"}
+        expected = self._expected_shapes
         if set(update.tensors) != set(expected):
             raise codec.CodecError(
                 "tensor", f"update names {sorted(update.tensors)[:4]}... do not match the model"
             )
         for k, t in update.tensors.items():
-            if not isinstance(t, codec.Dense) or t.array.shape != expected[k].shape:
-                raise codec.CodecError("tensor", f"{k}: expected dense {expected[k].shape}")
+            if not isinstance(t, codec.Dense) or t.array.shape != expected[k]:
+                raise codec.CodecError("tensor", f"{k}: expected dense {expected[k]}")
         if update.num_samples <= 0:
             raise codec.CodecError("tensor", "num_samples must be positive")
 

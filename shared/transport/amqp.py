@@ -79,6 +79,9 @@ class AmqpTransport(Transport):
         self._conn: pika.BlockingConnection | None = None
         self._ch: BlockingChannel | None = None
         self._generation = 0
+        self._tx: BlockingChannel | None = None
+        self._tx_generation = -1
+        self._returned: set[str] = set()
         self._connect(first=True)
 
     # -- connection management -------------------------------------------------------------------
@@ -166,6 +169,34 @@ class AmqpTransport(Transport):
                 raise Unroutable(key) from err
 
         self._with_reconnect(_pub)
+
+    def _batch_channel(self) -> BlockingChannel:
+        """A second channel in AMQP transaction mode: a batch is committed (and, for durable queues,
+        persisted) with one round trip. Mandatory returns arrive before the commit's reply."""
+        if self._tx is None or self._tx_generation != self._generation or not self._tx.is_open:
+            assert self._conn is not None
+            ch = self._conn.channel()
+            ch.tx_select()
+            ch.add_on_return_callback(
+                lambda _ch, method, _props, _body: self._returned.add(method.routing_key)
+            )
+            self._tx, self._tx_generation = ch, self._generation
+        return self._tx
+
+    def publish_many(self, items: Sequence[tuple[str, bytes]]) -> set[str]:
+        props = BasicProperties(delivery_mode=2)
+
+        def _pub() -> set[str]:
+            ch = self._batch_channel()
+            self._returned.clear()
+            for key, body in items:
+                ch.basic_publish(self.names.exchange, key, body, props, mandatory=True)
+            ch.tx_commit()
+            assert self._conn is not None
+            self._conn.process_data_events(0)  # dispatch the basic.return callbacks
+            return set(self._returned)
+
+        return self._with_reconnect(_pub)
 
     # -- consuming -------------------------------------------------------------------------------
     def _start_consumer(self, queue: str, handler: Handler, prefetch: int) -> None:
