@@ -121,7 +121,7 @@ def write_config(path: Path, **overrides: Any) -> Path:
             base[key] = {**base[key], **value}
         else:
             base[key] = value
-    path.write_text(yaml.safe_dump(base))
+    path.write_text(yaml.safe_dump(base, sort_keys=False))
     return path
 
 

@@ -122,6 +122,7 @@ def test_amqp_run_equals_inproc_and_counts_every_published_byte(cluster: Any, tm
             break
         published["update" if method.routing_key == KEY_UPDATE else "task"] += len(body)
     conn.close()
+    spy.delete_queue(spy_q)
     spy.close()
     update_bytes = sum(_sum(scraped[n], "fedfleet_wire_bytes_total", kind="update") for n in ("c0", "c1"))
     task_bytes = _sum(scraped["server"], "fedfleet_wire_bytes_total", kind="task")

@@ -79,6 +79,7 @@ class Aggregator(ServiceBase):
         transport.consume(
             names.updates_queue, lambda d: self.dispatch(d, {Kind.UPDATE: self.on_update}), prefetch=prefetch
         )
+        metrics.AGGREGATION_SECONDS.labels(experiment_id, algorithm)  # series exists before the first update
         self.log.info("aggregator %s ready", aggregator_id, extra={"event": "aggregator_ready"})
 
     # -- control ---------------------------------------------------------------------------------
@@ -147,7 +148,7 @@ class Aggregator(ServiceBase):
         if not d.redelivered and msg.device_id in self.seen:
             self.reject(d, "duplicate", f"second update from device {msg.device_id} in round {env.round}")
             return
-        update = UpdateSpec(decode_tensors(msg.tensors), msg.num_samples, dict(msg.metrics))
+        update = UpdateSpec(decode_tensors(msg.tensors), msg.num_samples, dict(msg.metrics), msg.device_id)
         self.strategy.validate_update(update)
         if d.redelivered:
             metrics.UPDATES.labels(self.experiment, self.algorithm, self.service, "redelivered").inc()

@@ -82,6 +82,14 @@ class Client(ServiceBase):
                 metrics.MEMORY_BUDGET_BYTES.labels(experiment_id, device.tier).set(
                     device.profile.memory_bytes
                 )
+                # create the histogram series up front (see Server.__init__ for why)
+                labels = (experiment_id, cfg.algorithm.name, device.tier)
+                metrics.CLIENT_TRAIN_SECONDS.labels(*labels)
+                clocks = ("virtual", "real") if cfg.emulation.time_mode == "real" else ("virtual",)
+                for clock in clocks:
+                    metrics.CLIENT_COMPUTE_SECONDS.labels(*labels, clock)
+                    for direction in ("down", "up"):
+                        metrics.CLIENT_TRANSFER_SECONDS.labels(*labels, direction, clock)
         self.data = {d: exp.device_data(d) for d in self.device_ids}
         self.last_register = 0.0
         names = transport.names

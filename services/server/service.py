@@ -120,6 +120,13 @@ class Server(ServiceBase):
         }
         transport.consume(transport.names.server_queue, lambda d: self.dispatch(d, handlers), prefetch=64)
         metrics.DENSITY.labels(self.experiment, self.algorithm).set(self.strategy.density(self.state))
+        # Create the labelled series now: a histogram appears only at its first observation, and a
+        # short run could otherwise end between two scrapes with nothing for rate() to work on.
+        labels = (self.experiment, self.algorithm)
+        metrics.ROUND_DURATION.labels(*labels)
+        metrics.ROUND_VIRTUAL_DURATION.labels(*labels)
+        for outcome in ("completed", "below-quorum"):
+            metrics.ROUNDS_COMPLETED.labels(*labels, outcome)
         self.log.info(
             "server ready",
             extra={"event": "server_ready", "f_incarnation": self.incarnation, "f_resumed_round": self.round},
@@ -471,22 +478,26 @@ class Server(ServiceBase):
         merged = self.merged if outcome == "completed" else None
         self.state = self.strategy.finalize(self.state, merged, self.round)
         participants = sorted(self.covered) if merged is not None else []
+        # Uplink bytes: every update that reached an aggregator in this round, aggregated or not (a
+        # round below quorum still cost its devices the upload).
         up = dense_up = 0
+        for dev, r in self.receipts.items():
+            st = self._stats(dev)
+            up += r.update_bytes
+            dense_up += r.dense_bytes
+            st.bytes_up += r.update_bytes
+            metrics.DEVICE_ROUND_BYTES.labels(self.experiment, self.algorithm, "up", st.tier).observe(
+                r.update_bytes
+            )
         vsec = 0.0
         for dev in participants:
-            r = self.receipts.get(dev)
             st = self._stats(dev)
             st.completed += 1
-            if r is not None:
-                up += r.update_bytes
-                dense_up += r.dense_bytes
-                st.bytes_up += r.update_bytes
-                t = sum(r.timings.values())
+            receipt = self.receipts.get(dev)
+            if receipt is not None:
+                t = sum(receipt.timings.values())
                 st.virtual_seconds += t
                 vsec = max(vsec, t)
-                metrics.DEVICE_ROUND_BYTES.labels(self.experiment, self.algorithm, "up", st.tier).observe(
-                    r.update_bytes
-                )
             metrics.PARTICIPANTS.labels(self.experiment, self.algorithm, st.tier).inc()
         for dev in self.rejects:
             self._stats(dev).rejected += 1
@@ -548,6 +559,9 @@ class Server(ServiceBase):
             "train_flops": pm.get("train_flops"),
             "train_loss": pm.get("train_loss"),
         }
+        # every other metric the devices reported (weighted mean), so algorithms need no server change
+        shown = {"density", "train_flops", "train_loss", "eval_accuracy", "eval_loss"}
+        row.update({f"m_{k}": v for k, v in pm.items() if k not in shown})
         self.rows.append(row)
         metrics.ROUND_DURATION.labels(*labels).observe(now - self.round_started)
         metrics.ROUNDS_COMPLETED.labels(self.experiment, self.algorithm, outcome).inc()

@@ -64,6 +64,8 @@ class UpdateSpec:
     tensors: dict[str, codec.Tensor]
     num_samples: int
     metrics: dict[str, float] = field(default_factory=dict)
+    #: set by the aggregator from the envelope (the client half leaves it None)
+    device_id: int | None = None
 
 
 @dataclass

@@ -62,11 +62,14 @@ def _fmt(v: Any) -> Any:
 
 
 def write_rounds(run_dir: Path, rows: list[dict[str, Any]]) -> None:
+    """The fixed columns, then any ``m_<metric>`` columns (device-reported metrics an algorithm adds)."""
+    extra = sorted({k for row in rows for k in row if k.startswith("m_")})
+    columns = ROUND_COLUMNS + extra
     with (run_dir / "rounds.csv").open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=ROUND_COLUMNS, extrasaction="ignore")
+        w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         w.writeheader()
         for row in rows:
-            w.writerow({k: _fmt(row.get(k)) for k in ROUND_COLUMNS})
+            w.writerow({k: _fmt(row.get(k)) for k in columns})
 
 
 def write_devices(run_dir: Path, devices: list[DeviceStats]) -> None:
