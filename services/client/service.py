@@ -209,7 +209,10 @@ class Client(ServiceBase):
         update = self.strategy.train(task, ctx)
         trained_s = time.perf_counter() - started
         metrics.CLIENT_TRAIN_SECONDS.labels(self.experiment, self.algorithm, tier).observe(trained_s)
-        flops = self.strategy.task_flops(task, len(self.data[dev].y_train))
+        # a strategy whose cost depends on what training produced (e.g. the density SpaFL reached)
+        # reports it; otherwise the accountant's count of the task
+        reported = update.metrics.get("train_flops")
+        flops = int(reported) if reported else self.strategy.task_flops(task, len(self.data[dev].y_train))
         compute_s = emulate_compute(flops, profile, mode=mode, time_factor=factor, measured_s=trained_s)
         self._observe(
             metrics.CLIENT_COMPUTE_SECONDS, tier, compute_s, time.perf_counter() - started if real else None
