@@ -41,9 +41,8 @@ class InprocBroker:
         self.bindings: dict[str, set[str]] = defaultdict(set)  # key -> queues
         self.consumers: dict[str, list[_Consumer]] = defaultdict(list)
         self._tags = itertools.count(1)
-        self._rr: dict[str, int] = defaultdict(int)
 
-    def route(self, key: str, msg: _Msg, dead_letter_queue: str | None = None) -> None:
+    def route(self, key: str, msg: _Msg) -> None:
         targets = self.bindings.get(key, set())
         if not targets:
             raise Unroutable(key)
