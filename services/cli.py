@@ -491,6 +491,9 @@ SUMMARY_ROWS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("wall seconds", "wall_seconds", lambda v: _fmt(v, 1)),
     ("virtual seconds", "virtual_seconds", lambda v: _fmt(v, 1)),
     ("final density", "final_density", _fmt),
+    ("personal accuracy, mean over devices", "personal_accuracy_mean", _fmt),
+    ("personal accuracy, best device", "personal_accuracy_best", _fmt),
+    ("devices evaluated", "evaluated_devices", str),
     ("dead-lettered", "dead_lettered", str),
 ]
 

@@ -22,6 +22,7 @@ from shared.transport import Delivery, Transport
 #: message kinds → the ``direction`` label of traffic metrics
 DIRECTION = {
     Kind.TASK: "down",
+    Kind.EVALUATE: "down",
     Kind.UPDATE: "up",
     Kind.PARTIAL: "partial",
 }

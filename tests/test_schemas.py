@@ -48,6 +48,8 @@ def _sample(kind: Kind) -> object:
             Kind.STOP: {},
             Kind.READY: {"device_id": 1, "finish_s": 2.5, "update_bytes": 100},
             Kind.GO: {"device_id": 1, "upload": False, "reason": "deadline"},
+            Kind.EVALUATE: {"device_id": 1},
+            Kind.EVAL_RESULT: {"device_id": 1, "metrics": {"eval_accuracy": 0.5}},
         }[kind]
     )
 

@@ -32,7 +32,19 @@ from shared import metrics
 from shared.algorithms.base import DeviceContext, TaskSpec, derive_seed
 from shared.devices import Device, admit, dropout_point, emulate_compute, emulate_transfer, transfer_seconds
 from shared.experiment import Experiment
-from shared.schemas import DeviceInfo, Envelope, Go, Kind, Ready, Register, Reject, Task, Update, encode
+from shared.schemas import (
+    DeviceInfo,
+    Envelope,
+    EvalResult,
+    Go,
+    Kind,
+    Ready,
+    Register,
+    Reject,
+    Task,
+    Update,
+    encode,
+)
 from shared.transport import KEY_CLIENTS, KEY_SERVER, KEY_UPDATE, Delivery, Transport, Unroutable, key_task
 
 REGISTER_EVERY_S = 10.0
@@ -98,6 +110,7 @@ class Client(ServiceBase):
         handlers: dict[Kind, MessageHandler] = {
             Kind.TASK: self.on_task,
             Kind.GO: self.on_go,
+            Kind.EVALUATE: self.on_evaluate,
             Kind.STOP: self.on_stop,
         }
         transport.consume(own, lambda d: self.dispatch(d, handlers), prefetch=prefetch)
@@ -197,14 +210,7 @@ class Client(ServiceBase):
             return
 
         # 3. train, and emulate the compute time of the task's FLOPs
-        ctx = DeviceContext(
-            device_id=dev,
-            round=env.round,
-            data=self.data[dev],
-            state_dir=self.state_dir / f"device-{dev}",
-            seed=derive_seed(self.exp.cfg.seed, "train", env.round, dev) % (2**32),
-            tier=tier,
-        )
+        ctx = self._context(dev, env.round)
         started = time.perf_counter()
         update = self.strategy.train(task, ctx)
         trained_s = time.perf_counter() - started
@@ -257,6 +263,28 @@ class Client(ServiceBase):
         self.publish_raw(KEY_UPDATE, Kind.UPDATE, data, dense_bytes=dense)
         real_s = time.perf_counter() - t0 if real else None
         self._observe(metrics.CLIENT_TRANSFER_SECONDS, device.tier, up_s, real_s, direction="up")
+
+    def _context(self, dev: int, round: int) -> DeviceContext:
+        return DeviceContext(
+            device_id=dev,
+            round=round,
+            data=self.data[dev],
+            state_dir=self.state_dir / f"device-{dev}",
+            seed=derive_seed(self.exp.cfg.seed, "train", round, dev) % (2**32),
+            tier=self.fleet[dev].tier,
+        )
+
+    def on_evaluate(self, env: Envelope, msg: Task, d: Delivery) -> None:
+        """The all-device evaluation: the personalised model on the device's own test split."""
+        dev = msg.device_id
+        if dev not in self.data:
+            self.reject(d, "unknown-device", f"device {dev} is not hosted by {self.client_id}")
+            return
+        task = TaskSpec(decode_tensors(msg.tensors), dict(msg.config))
+        result = self.strategy.evaluate_device(task, self._context(dev, env.round))
+        body = EvalResult(device_id=dev, supported=result is not None, metrics=result or {})
+        self.send(KEY_SERVER, Kind.EVAL_RESULT, body, round=env.round, inc=env.inc, sender=f"device-{dev}")
+        d.ack()
 
     def on_go(self, env: Envelope, msg: Go, d: Delivery) -> None:
         held = self.held.pop((env.inc, env.round, msg.device_id), None)

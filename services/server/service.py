@@ -41,6 +41,7 @@ from shared.schemas import Decision as DecisionMsg
 from shared.schemas import (
     DeviceInfo,
     Envelope,
+    EvalResult,
     Flush,
     Go,
     Heartbeat,
@@ -105,6 +106,10 @@ class Server(ServiceBase):
         self.started = time.time()
         self.registration_deadline = self.started + cfg.registration_timeout_s
         self._reset_round()
+        self.eval_expected: set[int] = set()
+        self.eval_results: dict[int, EvalResult] = {}
+        self.eval_bytes = 0
+        self.eval_deadline = math.inf
         self.resumed = self._load_checkpoint()
         self.error: str | None = None
 
@@ -117,6 +122,7 @@ class Server(ServiceBase):
             Kind.REJECT: self.on_reject,
             Kind.PARTIAL: self.on_partial,
             Kind.READY: self.on_ready,
+            Kind.EVAL_RESULT: self.on_eval_result,
         }
         transport.consume(transport.names.server_queue, lambda d: self.dispatch(d, handlers), prefetch=64)
         metrics.DENSITY.labels(self.experiment, self.algorithm).set(self.strategy.density(self.state))
@@ -289,7 +295,7 @@ class Server(ServiceBase):
         now = time.time()
         if self.phase == "registering":
             if len(self.registry) >= self.cfg.num_devices:
-                self._open_round()
+                self._next()
             elif now > self.registration_deadline:
                 if len(self.registry) >= self.cfg.devices_per_round:
                     self.log.warning(
@@ -298,7 +304,7 @@ class Server(ServiceBase):
                         self.cfg.num_devices,
                         extra={"event": "registration_timeout"},
                     )
-                    self._open_round()
+                    self._next()
                 else:
                     self.error = (
                         f"only {len(self.registry)} of {self.cfg.num_devices} devices registered within "
@@ -312,6 +318,17 @@ class Server(ServiceBase):
             if now - self.last_flush >= FLUSH_RETRY_S:
                 self.last_flush = now
                 self._open_round()
+        elif self.phase == "evaluating":
+            if set(self.eval_results) >= self.eval_expected or now >= self.eval_deadline:
+                missing = sorted(self.eval_expected - set(self.eval_results))
+                if missing:
+                    self.log.warning(
+                        "evaluation closed without %d devices: %s",
+                        len(missing),
+                        missing[:10],
+                        extra={"event": "evaluation_incomplete"},
+                    )
+                self._finish()
         elif self.phase == "open":
             silent = set(self.rejects) | self.unreachable | set(self.discarded)
             if self.ready_protocol and not self.go_sent:
@@ -590,10 +607,60 @@ class Server(ServiceBase):
         write_rounds(self.run_dir, self.rows)
         self._save_checkpoint()
         self.phase = "between"
-        if self.round >= self.cfg.rounds:
-            self._finish()
-        else:
+        self._next()
+
+    def _next(self) -> None:
+        """Open the next round, or — after the last — evaluate every device (personalised) or finish."""
+        if self.round < self.cfg.rounds:
             self._open_round()
+        elif self.strategy.personalised:
+            self._start_evaluation()
+        else:
+            self._finish()
+
+    def _start_evaluation(self) -> None:
+        """Ask every registered device to evaluate its personalised model on its own test split.
+
+        The papers report the mean over all devices; a round's participants are only a sample. The
+        evaluation messages are their own kind, so their bytes never mix with training traffic.
+        """
+        devices = sorted(self.registry)
+        tasks = self.strategy.plan_evaluation(self.state, devices)
+        encoded: dict[int, tuple[dict[str, Any], int]] = {}
+        batch: list[tuple[str, bytes, int]] = []
+        for dev in devices:
+            spec = tasks[dev]
+            if id(spec) not in encoded:
+                encoded[id(spec)] = encode_tensors(spec.tensors)
+            tensors, dense = encoded[id(spec)]
+            body = Task(device_id=dev, tensors=tensors, config=spec.config)
+            data = encode(
+                Kind.EVALUATE,
+                body,
+                exp=self.experiment,
+                round=self.round,
+                sender=self.service,
+                inc=self.incarnation,
+            )
+            batch.append((key_task(dev), data, dense))
+        unroutable = self.publish_batch(Kind.EVALUATE, batch)
+        self.eval_expected = {
+            dev for dev, (key, _, _) in zip(devices, batch, strict=True) if key not in unroutable
+        }
+        self.eval_bytes = sum(len(data) for key, data, _ in batch if key not in unroutable)
+        self.eval_results = {}
+        self.eval_deadline = time.time() + self.cfg.round_timeout_s
+        self.phase = "evaluating"
+        self.log.info(
+            "evaluating the personalised models of %d devices",
+            len(self.eval_expected),
+            extra={"event": "evaluate"},
+        )
+
+    def on_eval_result(self, env: Envelope, msg: EvalResult, d: Delivery) -> None:
+        if self.phase == "evaluating" and env.inc == self.incarnation and msg.device_id in self.eval_expected:
+            self.eval_results[msg.device_id] = msg
+        d.ack()
 
     def _finish(self) -> None:
         self.phase = "done"
@@ -640,9 +707,35 @@ class Server(ServiceBase):
             "virtual_seconds": sum(r["virtual_seconds"] for r in self.rows),
             "final_density": self.rows[-1]["density"] if self.rows else 1.0,
             "tiers": tiers,
+            **self._evaluation_summary(),
         }
 
+    def _evaluation_summary(self) -> dict[str, Any]:
+        """All-device personalised results (mean over devices, weighted by test samples, best)."""
+        results = [
+            r.metrics for r in self.eval_results.values() if r.supported and "eval_accuracy" in r.metrics
+        ]
+        if not results:
+            return {}
+        accs = [m["eval_accuracy"] for m in results]
+        weights = [m.get("eval_samples", 1.0) for m in results]
+        out: dict[str, Any] = {
+            "evaluated_devices": len(results),
+            "personal_accuracy_mean": float(np.mean(accs)),
+            "personal_accuracy_weighted": float(np.average(accs, weights=weights)) if sum(weights) else None,
+            "personal_accuracy_best": max(accs),
+            "personal_accuracy_worst": min(accs),
+            "bytes_eval_down": self.eval_bytes,
+        }
+        densities = [m["density"] for m in results if "density" in m]
+        if densities:
+            out["personal_density_mean"] = float(np.mean(densities))
+        return out
+
     def write_results(self) -> None:
+        for dev, result in self.eval_results.items():
+            if result.supported and "eval_accuracy" in result.metrics:
+                self._stats(dev).eval_accuracy = result.metrics["eval_accuracy"]
         write_rounds(self.run_dir, self.rows)
         write_devices(self.run_dir, list(self.devices.values()))
         write_summary(self.run_dir, self.summary())
@@ -687,8 +780,8 @@ class Server(ServiceBase):
         self.totals = meta["totals"]
         self.wall_offset = float(meta["wall_seconds"])
         self.log.info("resuming after round %d from %s", self.round, self.ckpt_dir, extra={"event": "resume"})
-        if self.round >= self.cfg.rounds:
-            self.phase = "done"
+        if self.round >= self.cfg.rounds and not self.strategy.personalised:
+            self.phase = "done"  # (a personalised run still owes its all-device evaluation)
         return True
 
     def run(self, poll_s: float = 0.05) -> None:

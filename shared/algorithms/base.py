@@ -175,9 +175,27 @@ class Strategy(ABC):
     def density(self, state: ServerState) -> float:
         return 1.0
 
+    def plan_evaluation(self, state: ServerState, devices: list[int]) -> dict[int, TaskSpec]:
+        """What each device receives for the all-device evaluation after the last round.
+
+        Default: nothing — a personalised model lives on the device. Algorithms whose personal model
+        depends on the global state (e.g. W ⊙ M_k) send it here.
+        """
+        empty = TaskSpec()
+        return dict.fromkeys(devices, empty)
+
     # -- client half -------------------------------------------------------------------------------
     @abstractmethod
     def train(self, task: TaskSpec, device: DeviceContext) -> UpdateSpec: ...
+
+    def evaluate_device(self, task: TaskSpec, device: DeviceContext) -> dict[str, float] | None:
+        """Evaluate the device's personalised model on its own test split, without training.
+
+        Why: the papers report the mean over *every* device, and a round's participants are only a
+        sample of them. Return ``eval_accuracy``, ``eval_loss``, ``eval_samples`` (and e.g.
+        ``density``); None when the algorithm keeps no personalised model.
+        """
+        return None
 
     # -- aggregation half --------------------------------------------------------------------------
     @abstractmethod

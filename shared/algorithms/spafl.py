@@ -352,6 +352,19 @@ class SpaFL(Strategy):
             )
         return model
 
+    def evaluate_device(self, task: TaskSpec, device: DeviceContext) -> dict[str, float] | None:
+        """The device's current personalised model (its weights and own τ_k) on its test split."""
+        model = self.personal_model(device.state_dir)
+        ev = evaluate(model, device.data.x_test, device.data.y_test)
+        density, layer_avg, _ = densities(model)
+        return {
+            "eval_accuracy": ev["accuracy"],
+            "eval_loss": ev["loss"],
+            "eval_samples": float(len(device.data.y_test)),
+            "density": density,
+            "density_layer_avg": layer_avg,
+        }
+
     def train(self, task: TaskSpec, device: DeviceContext) -> UpdateSpec:
         opts = self.opts
         model = self.build_model()

@@ -50,6 +50,8 @@ class DeviceStats:
     bytes_up: int = 0
     bytes_down: int = 0
     virtual_seconds: float = 0.0
+    #: the personalised model's accuracy on the device's own test split after the last round
+    eval_accuracy: float | None = None
 
 
 DEVICE_COLUMNS = [f.name for f in fields(DeviceStats)]

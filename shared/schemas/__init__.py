@@ -39,6 +39,8 @@ class Kind(StrEnum):
     STOP = "stop"
     READY = "ready"
     GO = "go"
+    EVALUATE = "evaluate"
+    EVAL_RESULT = "eval_result"
 
 
 class _Body(BaseModel):
@@ -141,6 +143,15 @@ class Go(_Body):
     reason: str = ""
 
 
+class EvalResult(_Body):
+    """Device → server: its personalised model's metrics on its own test split (no training)."""
+
+    device_id: int = Field(ge=0)
+    #: False when the algorithm keeps no personalised model (nothing was evaluated)
+    supported: bool = True
+    metrics: dict[str, float] = Field(default_factory=dict)
+
+
 class Flush(_Body):
     """Server → aggregators: send what you reduced for this round now."""
 
@@ -198,6 +209,8 @@ BODY_MODELS: dict[Kind, type[_Body]] = {
     Kind.STOP: Stop,
     Kind.READY: Ready,
     Kind.GO: Go,
+    Kind.EVALUATE: Task,
+    Kind.EVAL_RESULT: EvalResult,
 }
 
 
