@@ -414,23 +414,8 @@ class Server(ServiceBase):
         metrics.ROUND_STARTED.labels(*labels).set(self.round_started)
         metrics.ROUND_DEADLINE.labels(*labels).set(self.deadline)
         tasks = self.strategy.plan(self.state, self.round, self.selected)
-        encoded: dict[int, tuple[dict[str, Any], int]] = {}  # by id(TaskSpec): encode shared tasks once
-        batch: list[tuple[str, bytes, int]] = []
+        batch = self._encode_tasks(Kind.TASK, tasks, self.selected)
         for dev in self.selected:
-            spec: TaskSpec = tasks[dev]
-            if id(spec) not in encoded:
-                encoded[id(spec)] = encode_tensors(spec.tensors)
-            tensors, dense = encoded[id(spec)]
-            body = Task(device_id=dev, tensors=tensors, config=spec.config)
-            data = encode(
-                Kind.TASK,
-                body,
-                exp=self.experiment,
-                round=self.round,
-                sender=self.service,
-                inc=self.incarnation,
-            )
-            batch.append((key_task(dev), data, dense))
             st = self._stats(dev)
             st.selected += 1
             metrics.SELECTED.labels(self.experiment, self.algorithm, st.tier).inc()
@@ -618,14 +603,11 @@ class Server(ServiceBase):
         else:
             self._finish()
 
-    def _start_evaluation(self) -> None:
-        """Ask every registered device to evaluate its personalised model on its own test split.
-
-        The papers report the mean over all devices; a round's participants are only a sample. The
-        evaluation messages are their own kind, so their bytes never mix with training traffic.
-        """
-        devices = sorted(self.registry)
-        tasks = self.strategy.plan_evaluation(self.state, devices)
+    def _encode_tasks(
+        self, kind: Kind, tasks: dict[int, TaskSpec], devices: list[int]
+    ) -> list[tuple[str, bytes, int]]:
+        """(routing key, message, dense bytes) per device; a TaskSpec shared by several devices (e.g.
+        FedAvg's one global model) has its tensors encoded once."""
         encoded: dict[int, tuple[dict[str, Any], int]] = {}
         batch: list[tuple[str, bytes, int]] = []
         for dev in devices:
@@ -635,14 +617,20 @@ class Server(ServiceBase):
             tensors, dense = encoded[id(spec)]
             body = Task(device_id=dev, tensors=tensors, config=spec.config)
             data = encode(
-                Kind.EVALUATE,
-                body,
-                exp=self.experiment,
-                round=self.round,
-                sender=self.service,
-                inc=self.incarnation,
+                kind, body, exp=self.experiment, round=self.round, sender=self.service, inc=self.incarnation
             )
             batch.append((key_task(dev), data, dense))
+        return batch
+
+    def _start_evaluation(self) -> None:
+        """Ask every registered device to evaluate its personalised model on its own test split.
+
+        The papers report the mean over all devices; a round's participants are only a sample. The
+        evaluation messages are their own kind, so their bytes never mix with training traffic.
+        """
+        devices = sorted(self.registry)
+        tasks = self.strategy.plan_evaluation(self.state, devices)
+        batch = self._encode_tasks(Kind.EVALUATE, tasks, devices)
         unroutable = self.publish_batch(Kind.EVALUATE, batch)
         self.eval_expected = {
             dev for dev, (key, _, _) in zip(devices, batch, strict=True) if key not in unroutable
