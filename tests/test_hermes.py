@@ -475,3 +475,43 @@ def test_standalone_trains_locally_sends_no_weights_and_replays_identically(tmp_
     for _ in range(2):
         again = strat.train(strat.plan(strat.init_state(), 4, [0])[0], ctx).metrics
         assert again == {k: v for k, v in logs[0][-1].items() if k not in ("round", "device")}
+
+
+def test_init_option_defaults_to_the_model_factory_and_he_normal_is_seeded(tmp_path: Path) -> None:
+    """``init: model`` (default) keeps the factory's W^0; ``he_normal`` (the diagnostic of the
+    benchmark) draws N(0, 2/fan_in) weights and zero biases, the same for the same seed."""
+    default = _hermes(tmp_path, "a.yaml")
+    assert default.opts.init == "model"
+    factory = {k: v.detach().numpy() for k, v in default.ctx.model_factory().state_dict().items()}
+    for k, v in default.init_state().arrays.items():
+        np.testing.assert_array_equal(v, factory[k])
+    he = _hermes(tmp_path, "b.yaml", options={"init": "he_normal"})
+    a, b = he.init_state().arrays, he.init_state().arrays
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
+    w = a["fc1.weight"]  # 32 × 64
+    assert abs(float(w.std()) - math.sqrt(2 / w.shape[1])) < 0.2 * math.sqrt(2 / w.shape[1])
+    assert not a["fc1.bias"].any() and not a["fc2.bias"].any()
+
+
+def test_evaluate_device_reports_the_local_and_the_download_time_model(tmp_path: Path) -> None:
+    """The all-device evaluation hook: ``W ⊙ M_k`` from ``plan_evaluation`` and the last locally
+    trained subnetwork from the device's state; a device that never trained reports the former."""
+    h = _hermes(
+        tmp_path,
+        options={"acc_threshold": -1.0},
+        train={"local_epochs": 1, "batch_size": 16, "lr": 0.05, "momentum": 0.5},
+    )
+    state = h.init_state()
+    update = h.train(h.plan(state, 1, [0])[0], _device(tmp_path, 0, 1))
+    state = h.finalize(state, h.reduce(Partial(), update), 1)
+    tasks = h.plan_evaluation(state, [0, 1])
+    ev0 = h.evaluate_device(tasks[0], _device(tmp_path, 0, 2))
+    assert ev0 is not None
+    assert ev0["eval_accuracy"] == ev0["eval_accuracy_local"] == update.metrics["eval_accuracy_local"]
+    assert ev0["density"] == update.metrics["density"] < 1.0
+    # W_final ⊙ M_0 with one participant = its upload, i.e. the same model as its local one
+    assert ev0["eval_accuracy_download"] == pytest.approx(ev0["eval_accuracy_local"])
+    ev1 = h.evaluate_device(tasks[1], _device(tmp_path, 1, 2))
+    assert ev1 is not None and "eval_accuracy_local" not in ev1
+    assert ev1["eval_accuracy"] == ev1["eval_accuracy_download"] and ev1["density"] == 1.0

@@ -22,7 +22,10 @@ The four halves, all here:
   vectors, all plain float64 sums, so any split over aggregators gives the same answer;
 * **options** for the spec's ablations: ``r_target: 1.0`` (no pruning), ``aggregation:
   masked_fedavg`` (divide by the number of participants — the dilution bug Hermes avoids),
-  ``acc_threshold: 0``, ``prune_on: trained``, ``weighting: samples``.
+  ``acc_threshold: 0``, ``prune_on: trained``, ``weighting: samples``; and ``init: he_normal``, a
+  diagnostic initial model (the spec prototype's init, see docs/algorithms/hermes.md);
+* **all-device evaluation** — ``plan_evaluation`` sends ``W ⊙ M_k``, ``evaluate_device`` reports it
+  and the device's last locally trained subnetwork.
 
 The structure (which tensor axis each unit owns, compaction, FLOPs) is
 :mod:`shared.models.hermes_layers`.
@@ -100,6 +103,21 @@ def noisy_dataset(ds: Dataset, std: float, seed: int) -> Dataset:
     return dataclasses.replace(
         ds, x_train=add_feature_noise(ds.x_train, std, seed), x_test=add_feature_noise(ds.x_test, std, seed)
     )
+
+
+def he_normal_(model: nn.Module, seed: int) -> None:
+    """Re-initialise every ``Linear``/``Conv`` weight as N(0, 2/fan_in) and zero its bias (in place).
+
+    Drawn from a generator seeded by ``seed`` (the global torch RNG is left alone).
+    """
+    gen = torch.Generator().manual_seed(seed % (2**63))
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.Linear | nn.Conv1d | nn.Conv2d):
+                fan_in = m.weight[0].numel()
+                m.weight.normal_(0.0, math.sqrt(2.0 / fan_in), generator=gen)
+                if m.bias is not None:
+                    m.bias.zero_()
 
 
 # -- device-side logs ----------------------------------------------------------------------------------
@@ -187,6 +205,11 @@ class HermesOptions(BaseModel):
     primary_eval: Literal["local", "download"] = "local"
     #: σ of Gaussian feature noise on the device's data (spec §8.1 hard variant: 0.5); 0 = clean
     feature_noise_std: float = Field(0.0, ge=0)
+    #: initial dense model W^0: ``model`` = the model factory's initialisation (PyTorch's default, as
+    #: the paper's PyTorch 1.5 code; the default), ``he_normal`` = weights N(0, 2/fan_in), biases 0.
+    #: The spec does not fix the initialisation; ``he_normal`` is a *diagnostic* (docs/algorithms/
+    #: hermes.md): the larger initial weights make the global model clear the accuracy gate sooner.
+    init: Literal["model", "he_normal"] = "model"
 
 
 class Hermes(Strategy):
@@ -219,7 +242,10 @@ class Hermes(Strategy):
 
     # -- server half -----------------------------------------------------------------------------------
     def init_state(self) -> ServerState:
-        return ServerState(model_arrays(self.ctx.model_factory()), {"prune_events": 0.0})
+        model = self.ctx.model_factory()
+        if self.opts.init == "he_normal":
+            he_normal_(model, derive_seed(self.ctx.seed, "hermes-he-init"))
+        return ServerState(model_arrays(model), {"prune_events": 0.0})
 
     def plan(self, state: ServerState, round: int, devices: list[int]) -> dict[int, TaskSpec]:
         # Devices with the same mask share one TaskSpec object: the server encodes it once.
@@ -371,6 +397,42 @@ class Hermes(Strategy):
         self._save_device_state(device, new_keep, trained)
         append_device_log(device.state_dir, {"round": device.round, "device": device.device_id, **metrics})
         return UpdateSpec(tensors, num_samples=len(data.y_train), metrics=metrics)
+
+    # -- the all-device evaluation after the last round ------------------------------------------------
+    def plan_evaluation(self, state: ServerState, devices: list[int]) -> dict[int, TaskSpec]:
+        """Every device gets ``W_final ⊙ M_k`` (its download-time model), as in ``plan``."""
+        return self.plan(state, -1, devices)
+
+    def evaluate_device(self, task: TaskSpec, device: DeviceContext) -> dict[str, float] | None:
+        """Both personalised models on the device's own test split, without training.
+
+        ``eval_accuracy_download``: ``W_final ⊙ M_k`` from the task; ``eval_accuracy_local``: the
+        device's last locally trained subnetwork (``state_dir``), absent if it never participated.
+        ``eval_accuracy`` follows ``primary_eval`` (falling back to the download-time model for a
+        device without a local model).
+        """
+        data = self._data(device)
+        out: dict[str, float] = {"eval_samples": float(len(data.y_test))}
+        ev_down = ev_local = None
+        if task.tensors:
+            keep = self.structure.keep_from_payload(task.tensors)
+            arrays = model_arrays(self.ctx.model_factory())
+            for name, t in task.tensors.items():
+                arrays[name] = np.asarray(t.array) if isinstance(t, codec.Dense) else t.to_dense()  # type: ignore[union-attr]
+            model, _ = self._masked_model(arrays, keep)
+            ev_down = evaluate(model, data.x_test, data.y_test)
+            out.update(eval_accuracy_download=ev_down["accuracy"], eval_loss_download=ev_down["loss"])
+            out["density"] = self.structure.density(keep)
+        if (device.state_dir / STATE_FILE).exists():
+            ev_local = evaluate(self.export_compact(device.state_dir), data.x_test, data.y_test)
+            out.update(eval_accuracy_local=ev_local["accuracy"], eval_loss_local=ev_local["loss"])
+        primary = ev_local if (self.opts.primary_eval == "local" and ev_local is not None) else ev_down
+        if primary is None:
+            primary = ev_local
+        if primary is None:
+            return None
+        out.update(eval_accuracy=primary["accuracy"], eval_loss=primary["loss"])
+        return out
 
     def _save_device_state(self, device: DeviceContext, keep: Keep, trained: dict[str, np.ndarray]) -> None:
         """What a real device keeps: its mask and its last locally trained subnetwork (for deployment)."""
