@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -22,7 +23,7 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -30,6 +31,10 @@ from rich.table import Table
 
 from shared.config import ConfigError, ExperimentConfig, Settings, dump_config, load_config
 from shared.results import read_rounds, read_summary
+
+if TYPE_CHECKING:  # heavy imports (torch) stay out of the CLI's start-up path
+    from services.server.service import Server
+    from shared.experiment import Experiment
 
 console = Console(stderr=True)
 DEFAULT_PORTS = {"server": 9100, "aggregator": 9101, "client": 9102}
@@ -303,7 +308,21 @@ def _advance(progress: Progress, task_id: Any, rows: list[dict[str, Any]]) -> No
     progress.update(task_id, completed=len(rows), acc=f"{accs[-1]:.3f}" if accs else "-", mb=f"{mb:.1f}")
 
 
-def _run_inproc(cfg: ExperimentConfig, run_dir: Path, run_id: str) -> int:
+def _run_inproc(
+    cfg: ExperimentConfig,
+    run_dir: Path,
+    run_id: str,
+    *,
+    exp: Experiment | None = None,
+    on_round: Callable[[Server], None] | None = None,
+) -> int:
+    """Run every service of the experiment in this process, over the in-process broker.
+
+    ``exp`` lets a caller pass an experiment it has instrumented (e.g. a wrapped ``strategy.train``),
+    and ``on_round(server)`` is called as soon as a round's row is written, before any device
+    trains for the next round — the hook the benchmark scripts use to evaluate every device after
+    every round, without a copy of this loop.
+    """
     from services.aggregator.service import Aggregator
     from services.client.service import Client
     from services.common import setup_logging
@@ -312,7 +331,7 @@ def _run_inproc(cfg: ExperimentConfig, run_dir: Path, run_id: str) -> int:
     from shared.transport.inproc import InprocBroker, InprocTransport
 
     setup_logging("WARNING")
-    exp = Experiment.build(cfg)
+    exp = exp if exp is not None else Experiment.build(cfg)
     broker = InprocBroker()
     server = Server(InprocTransport(broker, run_id), exp, run_dir, experiment_id=run_id)
     services: list[Any] = [server]
@@ -341,14 +360,39 @@ def _run_inproc(cfg: ExperimentConfig, run_dir: Path, run_id: str) -> int:
         )
     with _progress() as progress:
         task_id = progress.add_task("rounds", total=cfg.rounds, acc="-", mb="0.0")
+        seen_rows = 0
         while not server.stopped:
             for s in services:
                 s.transport.process(0)
                 s.tick()
+                if on_round is not None and len(server.rows) > seen_rows:
+                    seen_rows = len(server.rows)
+                    on_round(server)
             _advance(progress, task_id, server.rows)
             if broker.pending() == 0:
                 time.sleep(0.001)
     return 1 if server.error else 0
+
+
+def run_inproc_once(cfg: ExperimentConfig, run_dir: Path, run_id: str, *, force: bool = False) -> bool:
+    """Run ``cfg`` in process into ``run_dir`` (with its resolved ``config.yaml``) unless a finished
+    run is already there; True if it ran.
+
+    Why: the benchmark scripts run dozens of configurations and are invoked again to add a row or
+    re-render a table, so a finished run (its ``summary.json``) is reused and a half-written one is
+    replaced. A failed run raises: a table must not quietly lose a row.
+    """
+    if (run_dir / "summary.json").exists() and not force:
+        return False
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    started = time.time()
+    rc = _run_inproc(cfg, run_dir, run_id)
+    if rc != 0:
+        raise RuntimeError(f"{cfg.name}: the in-process run failed (exit code {rc}), see {run_dir}")
+    print(f"  {cfg.name}: {time.time() - started:.0f}s", file=sys.stderr, flush=True)
+    return True
 
 
 def _run_processes(cfg: ExperimentConfig, run_dir: Path, run_id: str, args: argparse.Namespace) -> int:
@@ -555,6 +599,16 @@ def cmd_compare(args: argparse.Namespace) -> int:
     for label, key, fmt in SUMMARY_ROWS:
         t.add_row(label, *(fmt(s[key]) if key in s else "-" for s in summaries))
     out.print(t)
+    if args.plot:
+        from shared.results import plot_compare
+
+        runs = {Path(run).name: read_rounds(Path(run)) for run in args.runs}
+        try:
+            path = plot_compare(runs, Path(args.plot))
+        except ValueError as err:
+            console.print(f"[red]--plot: {err}[/red]")
+            return 2
+        out.print(f"plot: {path}")
     return 0
 
 
@@ -563,10 +617,15 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from shared import algorithms
 
     try:
-        algorithms.parse_options(cfg.algorithm.name, cfg.algorithm.options)
+        options = algorithms.parse_options(cfg.algorithm.name, cfg.algorithm.options)
     except ValueError as err:
         console.print(f"[red]{args.config}[/red]: {err}")
         return 2
+    if args.resolved:
+        # every key with its value or default, the algorithm's options included: what a run will use
+        algo = cfg.algorithm.model_copy(update={"options": options.model_dump(mode="json")})
+        print(dump_config(cfg.model_copy(update={"algorithm": algo})), end="")
+        return 0
     console.print(f"{args.config}: ok")
     return 0
 
@@ -619,12 +678,18 @@ def build_parser() -> argparse.ArgumentParser:
     rep.set_defaults(fn=cmd_report)
     cmp_ = sub.add_parser("compare", help="tabulate several runs side by side")
     cmp_.add_argument("runs", nargs="+")
+    cmp_.add_argument("--plot", metavar="PNG", help="also draw accuracy vs round and vs wire bytes, all runs")
     cmp_.set_defaults(fn=cmd_compare)
     hc = sub.add_parser("healthcheck", help="exit 0 iff the local /metrics endpoint answers")
     hc.add_argument("--port", type=int, required=True)
     hc.set_defaults(fn=cmd_healthcheck)
     val = sub.add_parser("validate", help="check an experiment config")
     val.add_argument("config")
+    val.add_argument(
+        "--resolved",
+        action="store_true",
+        help="print the config as YAML with every default filled in (algorithm options included)",
+    )
     val.set_defaults(fn=cmd_validate)
     return p
 

@@ -16,9 +16,9 @@ import torch
 from shared import algorithms
 from shared.algorithms.base import DeviceData, Strategy, StrategyContext, derive_seed
 from shared.config import ExperimentConfig
-from shared.data import Dataset, load_dataset, partition, split_local
+from shared.data import Dataset, load_dataset, noise_seed, noisy_dataset, partition, split_local
 from shared.devices import Device, Optimizer, build_fleet, training_footprint
-from shared.models import build_model
+from shared.models import build_model, initialise
 
 
 @dataclass
@@ -29,6 +29,7 @@ class Experiment:
     @classmethod
     def build(cls, cfg: ExperimentConfig) -> Experiment:
         ds = load_dataset(cfg.dataset.name, cfg.dataset.path)
+        ds = noisy_dataset(ds, cfg.dataset.feature_noise_std, noise_seed(cfg.seed))
         return cls(cfg, ds)
 
     @property
@@ -59,9 +60,10 @@ class Experiment:
         # the CPU generator only: torch.manual_seed also runs accelerator seeding hooks, which in
         # torch 2.13 cost ~1 ms per call — and a model is built for every task
         torch.default_generator.manual_seed(derive_seed(self.cfg.seed, "init") % (2**31))
-        return build_model(
+        model = build_model(
             self.cfg.model.name, self.dataset.input_shape, self.dataset.num_classes, **self.cfg.model.options
         )
+        return initialise(model, self.cfg.model.init, derive_seed(self.cfg.seed, "init", self.cfg.model.init))
 
     @cached_property
     def strategy(self) -> Strategy:
@@ -104,7 +106,9 @@ class Experiment:
         idx = self.partitions[device_id]
         frac = self.cfg.dataset.local_test_fraction
         if frac > 0:
-            tr, te = split_local(idx, frac, derive_seed(self.cfg.seed, "local-split", device_id) % (2**32))
+            labels = self.train_y if self.cfg.dataset.local_test_split == "stratified" else None
+            seed = derive_seed(self.cfg.seed, "local-split", device_id) % (2**32)
+            tr, te = split_local(idx, frac, seed, labels=labels)
         else:
             tr, te = idx, idx[:0]
         x, y = self.train_x, self.train_y

@@ -233,3 +233,23 @@ def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.1) -
             return
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def reduce_two_ways(strategy: Any, updates: list[Any], rnd: Any) -> tuple[Any, Any]:
+    """A round's updates reduced by one aggregator in arrival order, and by two aggregators over a
+    random split in a shuffled order then merged — the two partials every strategy's associativity
+    test compares (the aggregation interface promises they finalise to the same model)."""
+    from shared.algorithms.base import Partial
+
+    one = Partial()
+    for u in updates:
+        one = strategy.reduce(one, u)
+    order = list(range(len(updates)))
+    rnd.shuffle(order)
+    cut = rnd.randint(1, len(updates) - 1)
+    left, right = Partial(), Partial()
+    for i in order[:cut]:
+        left = strategy.reduce(left, updates[i])
+    for i in order[cut:]:
+        right = strategy.reduce(right, updates[i])
+    return one, strategy.merge(right, left)

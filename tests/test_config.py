@@ -77,3 +77,30 @@ def test_algorithm_options_are_strict() -> None:
         algorithms.parse_options("fedavg", {"alpha": 1})
     with pytest.raises(ValueError, match="unknown algorithm 'fedsgd'"):
         algorithms.get("fedsgd")
+
+
+def test_validate_resolved_prints_every_default_and_round_trips(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``fedfleet validate --resolved``: the config a run will use, algorithm defaults included,
+    as YAML that loads back to the same config; a bad option still fails with exit code 2."""
+    import yaml
+
+    from services.cli import main
+    from shared.algorithms import parse_options
+    from tests.conftest import write_config
+
+    src = write_config(tmp_path / "h.yaml", algorithm={"name": "hermes", "options": {"r_target": 0.5}})
+    assert main(["validate", str(src), "--resolved"]) == 0
+    text = capsys.readouterr().out
+    data = yaml.safe_load(text)
+    assert data["algorithm"]["options"]["r_target"] == 0.5
+    assert data["algorithm"]["options"]["r_p"] == 0.2  # Hermes' default, filled in
+    assert data["dataset"]["feature_noise_std"] == 0.0
+    back = tmp_path / "back.yaml"
+    back.write_text(text)
+    a, b = load_config(src), load_config(back)
+    assert a.model_dump(exclude={"algorithm"}) == b.model_dump(exclude={"algorithm"})
+    assert parse_options("hermes", a.algorithm.options) == parse_options("hermes", b.algorithm.options)
+    bad = write_config(tmp_path / "bad.yaml", algorithm={"name": "hermes", "options": {"r_targt": 0.5}})
+    assert main(["validate", str(bad), "--resolved"]) == 2

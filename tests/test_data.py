@@ -566,3 +566,68 @@ def test_split_local_stratified(digits: Dataset) -> None:
     for label in (1, 7):
         share = np.mean(y[test] == label)
         assert abs(share - np.mean(y[idx] == label)) < 0.03
+
+
+def test_local_test_split_config_stratifies_every_device(tmp_path: Path) -> None:
+    """``dataset.local_test_split: stratified`` gives every device a personal test set with its
+    own class mix (per class within one sample of proportional); ``random`` stays the default."""
+    from shared.config import load_config
+    from shared.experiment import Experiment
+    from tests.conftest import write_config
+
+    dataset = {"name": "digits", "partition": "classes", "classes_per_device": 2, "local_test_fraction": 0.4}
+    cfg = load_config(write_config(tmp_path / "s.yaml", num_devices=10, dataset=dataset))
+    assert cfg.dataset.local_test_split == "random"
+    strat = Experiment.build(
+        cfg.model_copy(update={"dataset": cfg.dataset.model_copy(update={"local_test_split": "stratified"})})
+    )
+    for dev in range(10):
+        d = strat.device_data(dev)
+        y_all = np.concatenate([d.y_train, d.y_test])
+        assert len(d.y_test) == round(0.4 * len(y_all))
+        for label in np.unique(y_all):
+            want = 0.4 * np.sum(y_all == label)
+            assert abs(np.sum(d.y_test == label) - want) <= 1.0, (dev, int(label))
+
+
+def test_feature_noise_is_keyed_by_sample_so_every_wiring_agrees() -> None:
+    """Noise on a slice equals noise on the whole dataset (the draw depends on the sample, not its
+    position), has the asked σ, and another seed draws other noise."""
+    from shared.data import add_feature_noise, noisy_dataset
+
+    ds = load_dataset("digits")
+    whole = noisy_dataset(ds, 0.5, seed=7)
+    part = add_feature_noise(ds.x_train[100:140], 0.5, seed=7)
+    np.testing.assert_array_equal(part, whole.x_train[100:140])
+    noise = whole.x_test - ds.x_test
+    assert abs(noise.std() - 0.5) < 0.02 and abs(noise.mean()) < 0.02
+    assert not np.array_equal(add_feature_noise(ds.x_test[:5], 0.5, seed=8), whole.x_test[:5])
+    assert noisy_dataset(ds, 0.0, seed=7) is ds
+
+
+def test_feature_noise_config_reaches_every_device_and_the_central_test_set(tmp_path: Path) -> None:
+    """``dataset.feature_noise_std`` is applied once in ``Experiment.build``: a device's train and
+    personal test data and the server's test set are the clean samples plus the seed's noise, for
+    any algorithm; the default is clean data, and a negative σ is refused."""
+    from shared.config import ConfigError, load_config
+    from shared.data import add_feature_noise, noise_seed
+    from shared.experiment import Experiment
+    from tests.conftest import write_config
+
+    dataset = {"name": "digits", "local_test_fraction": 0.3}
+    clean_cfg = write_config(tmp_path / "c.yaml", num_devices=4, seed=3, dataset=dataset)
+    clean = Experiment.build(load_config(clean_cfg))
+    noisy_cfg = write_config(
+        tmp_path / "n.yaml", num_devices=4, seed=3, dataset={**dataset, "feature_noise_std": 0.5}
+    )
+    noisy = Experiment.build(load_config(noisy_cfg))
+    assert clean.cfg.dataset.feature_noise_std == 0.0
+    seed = noise_seed(3)
+    for dev in range(4):
+        c, n = clean.device_data(dev), noisy.device_data(dev)
+        np.testing.assert_array_equal(n.y_train, c.y_train)
+        np.testing.assert_array_equal(n.x_train, add_feature_noise(c.x_train, 0.5, seed))
+        np.testing.assert_array_equal(n.x_test, add_feature_noise(c.x_test, 0.5, seed))
+    np.testing.assert_array_equal(noisy.dataset.x_test, add_feature_noise(clean.dataset.x_test, 0.5, seed))
+    with pytest.raises(ConfigError, match="feature_noise_std"):
+        load_config(write_config(tmp_path / "bad.yaml", dataset={**dataset, "feature_noise_std": -0.1}))

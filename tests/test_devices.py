@@ -546,6 +546,10 @@ def test_transfer_and_compute_formulas() -> None:
     p = _profile()
     assert emulate_transfer(1_000_000, p, "down") == pytest.approx(1.05)
     assert emulate_transfer(1_000_000, p, "up") == pytest.approx(8.05)
+    # a download in 3 messages (EmbracingFL's prefix chunks) pays the latency 3 times
+    assert emulate_transfer(1_000_000, p, "down", messages=3) == pytest.approx(1.15)
+    with pytest.raises(ValueError, match="messages"):
+        emulate_transfer(1_000_000, p, "down", messages=0)
     with pytest.raises(ValueError):
         transfer_seconds(10, 0.0, 0.0)
     with pytest.raises(ValueError):

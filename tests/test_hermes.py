@@ -26,20 +26,14 @@ from services.client.service import Client
 from services.server.service import Server
 from shared import codec
 from shared.algorithms.base import DeviceContext, DeviceData, Partial, ServerState, UpdateSpec, derive_seed
-from shared.algorithms.hermes import (
-    DEVICE_KEY,
-    Hermes,
-    add_feature_noise,
-    noisy_dataset,
-    read_device_logs,
-)
+from shared.algorithms.hermes import Hermes, read_device_logs
 from shared.config import load_config
-from shared.data import load_dataset
+from shared.devices import forward_flops
 from shared.experiment import Experiment
 from shared.models import build_model, num_parameters
-from shared.models.hermes_layers import UnitStructure, forward_flops, structured_prune
+from shared.models.hermes_layers import UnitStructure, structured_prune
 from shared.transport.inproc import InprocBroker, InprocTransport
-from tests.conftest import write_config
+from tests.conftest import reduce_two_ways, write_config
 
 
 def _hermes(tmp_path: Path, name: str = "c.yaml", **overrides: Any) -> Hermes:
@@ -53,9 +47,7 @@ def _hermes(tmp_path: Path, name: str = "c.yaml", **overrides: Any) -> Hermes:
 def _update(
     h: Hermes, arrays: dict[str, np.ndarray], keep: dict[str, np.ndarray], dev: int, n: int = 10
 ) -> UpdateSpec:
-    tensors = h.structure.payload(arrays, keep)
-    tensors[DEVICE_KEY] = codec.Dense(np.array([dev], dtype=np.int64))
-    return UpdateSpec(tensors, n)
+    return UpdateSpec(h.structure.payload(arrays, keep), n, device_id=dev)
 
 
 def _random_arrays(h: Hermes, seed: int, keep: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -132,21 +124,10 @@ def test_reduction_is_associative_and_commutative(seed: int, n: int, rnd: Any) -
         for v in keep.values():
             v[rng.integers(len(v))] = True
         updates.append(_update(h, _random_arrays(h, seed + dev, keep), keep, dev, int(rng.integers(1, 50))))
-    one = Partial()
-    for u in updates:
-        one = h.reduce(one, u)
-    order = list(range(n))
-    rnd.shuffle(order)
-    cut = rnd.randint(1, n - 1)
-    a, b = Partial(), Partial()
-    for i in order[:cut]:
-        a = h.reduce(a, updates[i])
-    for i in order[cut:]:
-        b = h.reduce(b, updates[i])
-    two = h.merge(b, a)
-    assert set(one.arrays) == set(two.arrays)
+    one, merged = reduce_two_ways(h, updates, rnd)
+    assert set(one.arrays) == set(merged.arrays)
     state = h.init_state()
-    f1, f2 = h.finalize(state, one, 1).arrays, h.finalize(state, two, 1).arrays
+    f1, f2 = h.finalize(state, one, 1).arrays, h.finalize(state, merged, 1).arrays
     for k in f1:
         np.testing.assert_allclose(f1[k], f2[k], rtol=1e-6, atol=1e-7)
 
@@ -159,7 +140,7 @@ def _independent_mask(h: Hermes, tensor: str, keep: dict[str, np.ndarray]) -> np
     names = list(h.structure.layers)
     out = keep.get(module, np.ones(shape[0], bool)) if module in names else None
     if module not in names:  # BatchNorm: owned by the weight layer right before it
-        owner = h.structure.norms[module]
+        owner = h.structure.owner[module]
         out = keep.get(owner, np.ones(shape[0], bool))
     assert out is not None
     if len(shape) == 1:
@@ -201,11 +182,10 @@ def test_masks_are_monotone_structured_and_uploads_zero_outside(
     for rnd in range(1, 9):
         task = h.plan(state, rnd, [0])[0]
         update = h.train(task, _device(tmp_path, 0, rnd))
+        update.device_id = 0  # what the aggregator sets from the envelope
         h.validate_update(update)
         keep = h.structure.keep_from_payload(update.tensors)
         for name, t in update.tensors.items():
-            if name == DEVICE_KEY:
-                continue
             expected = _independent_mask(h, name, keep)
             got = np.ones(expected.shape, bool) if isinstance(t, codec.Dense) else t.mask()  # type: ignore[union-attr]
             np.testing.assert_array_equal(got, expected, err_msg=name)
@@ -306,8 +286,8 @@ def test_unstructured_or_classifier_pruning_uploads_are_rejected(tmp_path: Path)
     bad["fc2.weight"] = codec.Sliced.from_dense(w2, [np.arange(9), np.arange(6)])
     with pytest.raises(codec.CodecError):
         h.validate_update(UpdateSpec(bad, 10))
-    with pytest.raises(codec.CodecError):  # no device id
-        h.validate_update(UpdateSpec({k: v for k, v in good.tensors.items() if k != DEVICE_KEY}, 10))
+    with pytest.raises(codec.CodecError):  # no envelope device id: the mask would have no owner
+        h.validate_update(UpdateSpec(good.tensors, 10))
 
 
 def test_downlink_is_full_model_first_then_the_smaller_structured_payload(tmp_path: Path) -> None:
@@ -425,17 +405,7 @@ def test_upload_bytes_per_device_fall_with_the_mask_and_never_rise(tmp_path: Pat
     assert num_parameters(compact) == round(density[-1] * num_parameters(exp.model()))
 
 
-# -- noise and the Standalone baseline ------------------------------------------------------------------
-def test_feature_noise_is_keyed_by_sample_so_every_wiring_agrees() -> None:
-    ds = load_dataset("digits")
-    whole = noisy_dataset(ds, 0.5, seed=7)
-    part = add_feature_noise(ds.x_train[100:140], 0.5, seed=7)
-    np.testing.assert_array_equal(part, whole.x_train[100:140])
-    noise = whole.x_test - ds.x_test
-    assert abs(noise.std() - 0.5) < 0.02 and abs(noise.mean()) < 0.02
-    assert not np.array_equal(add_feature_noise(ds.x_test[:5], 0.5, seed=8), whole.x_test[:5])
-
-
+# -- the Standalone baseline --------------------------------------------------------------------------------
 def test_standalone_trains_locally_sends_no_weights_and_replays_identically(tmp_path: Path) -> None:
     from services.cli import _run_inproc
 
@@ -477,23 +447,6 @@ def test_standalone_trains_locally_sends_no_weights_and_replays_identically(tmp_
         assert again == {k: v for k, v in logs[0][-1].items() if k not in ("round", "device")}
 
 
-def test_init_option_defaults_to_the_model_factory_and_he_normal_is_seeded(tmp_path: Path) -> None:
-    """``init: model`` (default) keeps the factory's W^0; ``he_normal`` (the diagnostic of the
-    benchmark) draws N(0, 2/fan_in) weights and zero biases, the same for the same seed."""
-    default = _hermes(tmp_path, "a.yaml")
-    assert default.opts.init == "model"
-    factory = {k: v.detach().numpy() for k, v in default.ctx.model_factory().state_dict().items()}
-    for k, v in default.init_state().arrays.items():
-        np.testing.assert_array_equal(v, factory[k])
-    he = _hermes(tmp_path, "b.yaml", options={"init": "he_normal"})
-    a, b = he.init_state().arrays, he.init_state().arrays
-    for k in a:
-        np.testing.assert_array_equal(a[k], b[k])
-    w = a["fc1.weight"]  # 32 × 64
-    assert abs(float(w.std()) - math.sqrt(2 / w.shape[1])) < 0.2 * math.sqrt(2 / w.shape[1])
-    assert not a["fc1.bias"].any() and not a["fc2.bias"].any()
-
-
 def test_evaluate_device_reports_the_local_and_the_download_time_model(tmp_path: Path) -> None:
     """The all-device evaluation hook: ``W ⊙ M_k`` from ``plan_evaluation`` and the last locally
     trained subnetwork from the device's state; a device that never trained reports the former."""
@@ -504,6 +457,7 @@ def test_evaluate_device_reports_the_local_and_the_download_time_model(tmp_path:
     )
     state = h.init_state()
     update = h.train(h.plan(state, 1, [0])[0], _device(tmp_path, 0, 1))
+    update.device_id = 0
     state = h.finalize(state, h.reduce(Partial(), update), 1)
     tasks = h.plan_evaluation(state, [0, 1])
     ev0 = h.evaluate_device(tasks[0], _device(tmp_path, 0, 2))

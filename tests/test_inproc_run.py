@@ -17,12 +17,12 @@ from services.aggregator.service import Aggregator
 from services.cli import _run_inproc, main
 from services.client.service import Client
 from services.server.service import Server
-from shared.algorithms.base import Partial, UpdateSpec
+from shared.algorithms.base import UpdateSpec
 from shared.codec import Dense
 from shared.config import load_config
 from shared.experiment import Experiment
 from shared.transport.inproc import InprocBroker, InprocTransport
-from tests.conftest import write_config
+from tests.conftest import reduce_two_ways, write_config
 
 SUMMARY_KEYS = {
     "algorithm",
@@ -69,9 +69,10 @@ def test_inproc_run_writes_readable_results(tmp_path: Path, capsys: pytest.Captu
     for png in ("accuracy_vs_round.png", "accuracy_vs_bytes.png"):
         assert (run / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["report", str(run)]) == 0
-    assert main(["compare", str(run), str(run)]) == 0
+    assert main(["compare", str(run), str(run), "--plot", str(tmp_path / "cmp.png")]) == 0
     out = capsys.readouterr().out
-    assert "final accuracy" in out and "comparison" in out
+    assert "final accuracy" in out and "comparison" in out and "cmp.png" in out
+    assert (tmp_path / "cmp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def _arrays(seed: int) -> dict[str, np.ndarray]:
@@ -85,21 +86,10 @@ def test_fedavg_reduction_is_associative_and_commutative(weights: list[int], rnd
     exp = Experiment.build(load_config(write_config(Path("/tmp/fedfleet-cfg.yaml"))))
     strategy = exp.strategy
     updates = [UpdateSpec({k: Dense(v) for k, v in _arrays(i).items()}, n) for i, n in enumerate(weights)]
-    one = Partial()
-    for u in updates:
-        one = strategy.reduce(one, u)
-    order = list(range(len(updates)))
-    rnd.shuffle(order)
-    cut = rnd.randint(1, len(updates) - 1)
-    left, right = Partial(), Partial()
-    for i in order[:cut]:
-        left = strategy.reduce(left, updates[i])
-    for i in order[cut:]:
-        right = strategy.reduce(right, updates[i])
-    two = strategy.merge(right, left)
+    one, merged = reduce_two_ways(strategy, updates, rnd)
     for k in one.arrays:
-        np.testing.assert_allclose(one.arrays[k], two.arrays[k], rtol=1e-12, atol=1e-12)
-    assert one.scalars["weight"] == two.scalars["weight"] == sum(weights)
+        np.testing.assert_allclose(one.arrays[k], merged.arrays[k], rtol=1e-12, atol=1e-12)
+    assert one.scalars["weight"] == merged.scalars["weight"] == sum(weights)
 
 
 def _inproc_services(cfg_path: Path, run: Path, exp_id: str) -> tuple[InprocBroker, Server, list[Any]]:
@@ -169,3 +159,31 @@ def test_aggregator_crash_counts_every_update_once(tmp_path: Path) -> None:
     for name, arr in clean.state.arrays.items():
         np.testing.assert_allclose(faulty.state.arrays[name], arr, atol=1e-6, rtol=0)
     assert [r["participants"] for r in faulty.rows] == [r["participants"] for r in clean.rows]
+
+
+def test_doc_block_is_replaced_between_markers_and_missing_markers_fail(tmp_path: Path) -> None:
+    from shared.results import replace_doc_block
+
+    doc = tmp_path / "doc.md"
+    doc.write_text("# t\nprose\n<!-- r:begin -->\nold | 1\n<!-- r:end -->\nmore prose\n")
+    replace_doc_block(doc, "r", "| new | 2 |\n")
+    assert doc.read_text() == "# t\nprose\n<!-- r:begin -->\n| new | 2 |\n<!-- r:end -->\nmore prose\n"
+    with pytest.raises(ValueError, match="needs exactly one"):
+        replace_doc_block(doc, "other", "x")
+    assert "| new | 2 |" in doc.read_text()  # untouched by the failed call
+
+
+def test_run_inproc_once_reuses_a_finished_run_and_force_redoes_it(tmp_path: Path) -> None:
+    """What every benchmark script relies on: a finished run is reused, ``force`` redoes it, and
+    the resolved config sits beside the results."""
+    from services.cli import run_inproc_once
+
+    cfg = load_config(write_config(tmp_path / "c.yaml", rounds=1))
+    run = tmp_path / "run"
+    assert run_inproc_once(cfg, run, "once-a") is True
+    assert load_config(run / "config.yaml") == cfg
+    first = (run / "summary.json").stat().st_mtime_ns
+    assert run_inproc_once(cfg, run, "once-b") is False
+    assert (run / "summary.json").stat().st_mtime_ns == first
+    assert run_inproc_once(cfg, run, "once-c", force=True) is True
+    assert (run / "summary.json").stat().st_mtime_ns != first

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -204,3 +205,35 @@ def test_layer_names_are_stable() -> None:
     assert "layer1.0.shortcut.conv.weight" in keys and "layer3.2.bn2.bias" in keys and keys[-1] == "fc.bias"
     keys = list(build_model("cnn", (1, 28, 28), 62).state_dict())
     assert keys == [f"{layer}.{p}" for layer in ("conv1", "conv2", "fc1", "fc2") for p in ("weight", "bias")]
+
+
+def test_model_init_config_applies_to_every_algorithm(tmp_path: Path) -> None:
+    """``model.init: he_normal`` gives N(0, 2/fan_in) weights and zero biases, the same w(0) on every
+    call (server and clients agree without shipping it) and for every algorithm alike; ``default``
+    keeps the builder's init; an unknown scheme is refused when the config is read."""
+    from shared.config import ConfigError, load_config
+    from shared.experiment import Experiment
+    from tests.conftest import write_config
+
+    def w0(name: str, init: str, algorithm: str = "fedavg") -> dict[str, torch.Tensor]:
+        model = {"name": "mlp", "init": init}
+        cfg = write_config(tmp_path / name, model=model, algorithm={"name": algorithm})
+        exp = Experiment.build(load_config(cfg))
+        first, again = exp.model().state_dict(), exp.model().state_dict()
+        assert all(torch.equal(first[k], again[k]) for k in first)
+        return first
+
+    he = w0("he.yaml", "he_normal")
+    default = w0("default.yaml", "default")
+    for k, w in he.items():
+        if k.endswith("weight"):
+            fan_in = w[0].numel()
+            assert abs(float(w.std()) - (2 / fan_in) ** 0.5) < 0.15 * (2 / fan_in) ** 0.5, k
+            assert not torch.equal(w, default[k])
+        else:
+            assert not w.any(), f"{k}: biases start at 0"
+    assert any(default[k].any() for k in default if k.endswith("bias"))
+    hermes = w0("hermes.yaml", "he_normal", "hermes")
+    assert all(torch.equal(he[k], hermes[k]) for k in he), "the same w(0) for every algorithm"
+    with pytest.raises(ConfigError, match="init"):
+        load_config(write_config(tmp_path / "bad.yaml", model={"name": "mlp", "init": "xavier"}))

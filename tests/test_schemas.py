@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from shared import codec
 from shared.schemas import (
@@ -15,6 +17,8 @@ from shared.schemas import (
     Update,
     decode,
     encode,
+    task_token,
+    token_ok,
 )
 
 LIMIT = 1 << 20
@@ -130,3 +134,15 @@ def test_bad_messages_have_reasons(data: bytes, reason: str) -> None:
     with pytest.raises(DecodeError) as err:
         decode(data, max_bytes=LIMIT)
     assert err.value.reason == reason
+
+
+@given(st.integers(0, 10**6), st.integers(0, 10**6))
+def test_task_token_binds_device_and_round_key(a: int, b: int) -> None:
+    """A token proves "I received device a's task this round": it fails for any other device and
+    under any other round's key, and an empty key (no round open) accepts no non-empty token."""
+    key, other_key = "ab" * 16, "cd" * 16
+    token = task_token(key, a)
+    assert len(token) == 32 and token_ok(key, a, token)
+    assert token_ok(key, b, token) == (a == b)
+    assert not token_ok(other_key, a, token)
+    assert not token_ok("", a, token) and task_token("", a) == ""

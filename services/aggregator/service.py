@@ -20,7 +20,7 @@ from typing import Any
 from services.common import MessageHandler, ServiceBase, decode_tensors, encode_tensors
 from shared import codec, metrics
 from shared.algorithms.base import Partial, Strategy, UpdateSpec
-from shared.schemas import Decision, Envelope, Kind, Receipt, RoundOpen, Update
+from shared.schemas import Decision, Envelope, Kind, Receipt, RoundOpen, Update, token_ok
 from shared.schemas import Partial as PartialMsg
 from shared.transport import KEY_AGGREGATORS, KEY_SERVER, Delivery, Transport, key_aggregator
 
@@ -60,6 +60,7 @@ class Aggregator(ServiceBase):
         self.inc = ""
         self.round = -1
         self.selected: set[int] = set()
+        self.round_key = ""  # the open round's task-token key (RoundOpen)
         self.batch = _Batch()
         self.pending: dict[int, _Batch] = {}
         self.seen: set[int] = set()  # devices reduced in the current round by this aggregator
@@ -95,6 +96,7 @@ class Aggregator(ServiceBase):
         self.pending.clear()
         self.seen.clear()
         self.inc, self.round, self.selected = env.inc, env.round, set(msg.selected)
+        self.round_key = msg.round_key
         d.ack()
 
     def on_flush(self, env: Envelope, msg: Any, d: Delivery) -> None:
@@ -145,10 +147,17 @@ class Aggregator(ServiceBase):
         if msg.device_id not in self.selected:
             self.reject(d, "unknown-device", f"device {msg.device_id} was not selected for round {env.round}")
             return
+        if not token_ok(self.round_key, msg.device_id, msg.token):
+            self.reject(
+                d, "forged", f"update for device {msg.device_id} does not carry that device's task token"
+            )
+            return
         if not d.redelivered and msg.device_id in self.seen:
             self.reject(d, "duplicate", f"second update from device {msg.device_id} in round {env.round}")
             return
-        update = UpdateSpec(decode_tensors(msg.tensors), msg.num_samples, dict(msg.metrics), msg.device_id)
+        update = UpdateSpec(
+            decode_tensors(msg.tensors), msg.num_samples, dict(msg.metrics), msg.device_id, env.round
+        )
         self.strategy.validate_update(update)
         if d.redelivered:
             metrics.UPDATES.labels(self.experiment, self.algorithm, self.service, "redelivered").inc()

@@ -170,7 +170,8 @@ class Client(ServiceBase):
         task_bytes = len(d.body)
 
         # 1. memory admission: nothing ever trains over budget
-        verdict = admit(self.strategy.task_footprint(task), profile.memory_bytes, tier=tier)
+        extra = self.strategy.task_extra_peak(task, len(self.data[dev].y_train))
+        verdict = admit(self.strategy.task_footprint(task), profile.memory_bytes, tier=tier, extra=extra)
         metrics.MEMORY_FOOTPRINT_BYTES.labels(self.experiment, self.algorithm, tier).set(
             verdict.footprint_bytes
         )
@@ -183,6 +184,7 @@ class Client(ServiceBase):
                 footprint_bytes=verdict.footprint_bytes,
                 budget_bytes=verdict.budget_bytes,
                 task_bytes=task_bytes,
+                token=msg.token,
             )
             self._notify(env, dev, refusal, Kind.REJECT)
             d.ack()
@@ -190,7 +192,10 @@ class Client(ServiceBase):
 
         # 2. download over the device's link, then maybe vanish
         t0 = time.perf_counter()
-        down_s = emulate_transfer(task_bytes, profile, "down", mode=mode, time_factor=factor)
+        messages = self.strategy.task_download_messages(task)
+        down_s = emulate_transfer(
+            task_bytes, profile, "down", mode=mode, time_factor=factor, messages=messages
+        )
         self._observe(
             metrics.CLIENT_TRANSFER_SECONDS,
             tier,
@@ -204,7 +209,10 @@ class Client(ServiceBase):
                 # In virtual time the server's deadline would pass at no cost; tell it now instead of
                 # making it wait in wall time. In real mode the device just goes silent.
                 self._notify(
-                    env, dev, Reject(device_id=dev, reason="dropout", task_bytes=task_bytes), Kind.REJECT
+                    env,
+                    dev,
+                    Reject(device_id=dev, reason="dropout", task_bytes=task_bytes, token=msg.token),
+                    Kind.REJECT,
                 )
             d.ack()
             return
@@ -237,6 +245,7 @@ class Client(ServiceBase):
                 metrics=metrics_out,
                 task_bytes=task_bytes,
                 timings={"download_s": down_s, "compute_s": compute_s, "upload_s": up_s},
+                token=msg.token,
             )
             return encode(
                 Kind.UPDATE, upd, exp=self.experiment, round=env.round, sender=f"device-{dev}", inc=env.inc
@@ -247,7 +256,9 @@ class Client(ServiceBase):
         data = body(up_s)
         if self.ready_protocol:
             self.held[(env.inc, env.round, dev)] = _Held(data, dense, up_s, device)
-            ready = Ready(device_id=dev, finish_s=down_s + compute_s + up_s, update_bytes=len(data))
+            ready = Ready(
+                device_id=dev, finish_s=down_s + compute_s + up_s, update_bytes=len(data), token=msg.token
+            )
             self._notify(env, dev, ready, Kind.READY)
         else:
             self._upload(data, dense, device, up_s)
@@ -282,7 +293,7 @@ class Client(ServiceBase):
             return
         task = TaskSpec(decode_tensors(msg.tensors), dict(msg.config))
         result = self.strategy.evaluate_device(task, self._context(dev, env.round))
-        body = EvalResult(device_id=dev, supported=result is not None, metrics=result or {})
+        body = EvalResult(device_id=dev, supported=result is not None, metrics=result or {}, token=msg.token)
         self.send(KEY_SERVER, Kind.EVAL_RESULT, body, round=env.round, inc=env.inc, sender=f"device-{dev}")
         d.ack()
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import secrets
 import shutil
 import time
 import uuid
@@ -55,6 +56,8 @@ from shared.schemas import (
     Stop,
     Task,
     encode,
+    task_token,
+    token_ok,
 )
 from shared.schemas import (
     Partial as PartialMsg,
@@ -96,6 +99,9 @@ class Server(ServiceBase):
         self.flush_timeout_s = flush_timeout_s
         self.incarnation = uuid.uuid4().hex[:12]
         self.registry: dict[int, DeviceInfo] = {}
+        #: key of the open round's (or the evaluation's) task tokens; see ``shared.schemas.task_token``
+        self.task_key = ""
+        self.strategy.fleet = self.registry  # live view for budget-aware planning
         self.devices: dict[int, DeviceStats] = {}
         self.rows: list[dict[str, Any]] = []
         self.totals = {"bytes_up": 0, "bytes_down": 0, "dense_bytes_up": 0, "dense_bytes_down": 0}
@@ -208,6 +214,8 @@ class Server(ServiceBase):
         if not (self._current(env) and msg.device_id in self.selected):
             d.ack()
             return
+        if self._forged(msg.device_id, msg.token, d, "refusal"):
+            return
         if msg.reason == "dropout":
             # a virtual-time dropout notice: the device will never answer (see the client)
             self.discarded.setdefault(msg.device_id, "dropout")
@@ -229,6 +237,8 @@ class Server(ServiceBase):
 
     def on_ready(self, env: Envelope, msg: Ready, d: Delivery) -> None:
         if self._current(env) and msg.device_id in self.selected and not self.go_sent:
+            if self._forged(msg.device_id, msg.token, d, "ready"):
+                return
             self.readies[msg.device_id] = msg
         d.ack()
 
@@ -386,11 +396,12 @@ class Server(ServiceBase):
         selected, offline = self._select(self.round + 1)
         started = time.time()
         deadline = started + self.cfg.round_timeout_s
+        self.task_key = secrets.token_hex(16)
         try:
             self.send(
                 KEY_AGGREGATORS,
                 Kind.ROUND_OPEN,
-                RoundOpen(selected=selected, deadline_unix=deadline),
+                RoundOpen(selected=selected, deadline_unix=deadline, round_key=self.task_key),
                 round=self.round + 1,
                 inc=self.incarnation,
             )
@@ -564,6 +575,9 @@ class Server(ServiceBase):
         # every other metric the devices reported (weighted mean), so algorithms need no server change
         shown = {"density", "train_flops", "train_loss", "eval_accuracy", "eval_loss"}
         row.update({f"m_{k}": v for k, v in pm.items() if k not in shown})
+        # and every other number the server-side evaluation returned (e.g. FedMef's accuracy before
+        # and after a mask adjustment), so diagnostics need no side channel
+        row.update({f"e_{k}": v for k, v in ev.items() if k not in ("accuracy", "loss")})
         self.rows.append(row)
         metrics.ROUND_DURATION.labels(*labels).observe(now - self.round_started)
         metrics.ROUNDS_COMPLETED.labels(self.experiment, self.algorithm, outcome).inc()
@@ -615,7 +629,9 @@ class Server(ServiceBase):
             if id(spec) not in encoded:
                 encoded[id(spec)] = encode_tensors(spec.tensors)
             tensors, dense = encoded[id(spec)]
-            body = Task(device_id=dev, tensors=tensors, config=spec.config)
+            body = Task(
+                device_id=dev, tensors=tensors, config=spec.config, token=task_token(self.task_key, dev)
+            )
             data = encode(
                 kind, body, exp=self.experiment, round=self.round, sender=self.service, inc=self.incarnation
             )
@@ -630,6 +646,7 @@ class Server(ServiceBase):
         """
         devices = sorted(self.registry)
         tasks = self.strategy.plan_evaluation(self.state, devices)
+        self.task_key = secrets.token_hex(16)
         batch = self._encode_tasks(Kind.EVALUATE, tasks, devices)
         unroutable = self.publish_batch(Kind.EVALUATE, batch)
         self.eval_expected = {
@@ -647,8 +664,17 @@ class Server(ServiceBase):
 
     def on_eval_result(self, env: Envelope, msg: EvalResult, d: Delivery) -> None:
         if self.phase == "evaluating" and env.inc == self.incarnation and msg.device_id in self.eval_expected:
+            if self._forged(msg.device_id, msg.token, d, "evaluation result"):
+                return
             self.eval_results[msg.device_id] = msg
         d.ack()
+
+    def _forged(self, device_id: int, token: str, d: Delivery, what: str) -> bool:
+        """Dead-letter (reason ``forged``) a message whose token is not the device's task token."""
+        if token_ok(self.task_key, device_id, token):
+            return False
+        self.reject(d, "forged", f"{what} for device {device_id} does not carry that device's task token")
+        return True
 
     def _finish(self) -> None:
         self.phase = "done"

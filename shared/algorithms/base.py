@@ -19,7 +19,6 @@ wire are whatever the algorithm really needs to send.
 
 from __future__ import annotations
 
-import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
@@ -33,6 +32,8 @@ from pydantic import BaseModel, ConfigDict
 from shared import codec
 from shared.config import TrainConfig
 from shared.devices import TrainingFootprint, training_flops, training_footprint
+from shared.schemas import DeviceInfo
+from shared.seeding import derive_seed as derive_seed  # re-exported: strategies import it from here
 
 
 class NoOptions(BaseModel):
@@ -66,6 +67,9 @@ class UpdateSpec:
     metrics: dict[str, float] = field(default_factory=dict)
     #: set by the aggregator from the envelope (the client half leaves it None)
     device_id: int | None = None
+    #: the round the update answers, set by the aggregator from the envelope, so that
+    #: ``validate_update`` can check round-dependent payload shapes (None where unknown)
+    round: int | None = None
 
 
 @dataclass
@@ -139,12 +143,6 @@ class StrategyContext:
     optimizer: str = "sgd"
 
 
-def derive_seed(*parts: int | str) -> int:
-    """A stable 63-bit seed from parts (not Python's salted ``hash``)."""
-    h = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") & 0x7FFF_FFFF_FFFF_FFFF
-
-
 class Strategy(ABC):
     """Base class of every algorithm; see the module docstring for the four halves."""
 
@@ -156,6 +154,11 @@ class Strategy(ABC):
     def __init__(self, ctx: StrategyContext) -> None:
         self.ctx = ctx
         self.options = ctx.options
+        #: server half only: the registered devices (tier, sample count, profile with
+        #: ``memory_bytes`` etc.), kept live by the server. Why: width-sliced and partial-training
+        #: algorithms size each device's task by its budget in ``plan``. Empty on clients and
+        #: aggregators, and for devices that have not registered.
+        self.fleet: Mapping[int, DeviceInfo] = {}
 
     # -- server half -------------------------------------------------------------------------------
     @abstractmethod
@@ -246,6 +249,24 @@ class Strategy(ABC):
     def task_footprint(self, task: TaskSpec) -> TrainingFootprint:
         """Training memory of the task: what admission compares with the device's budget."""
         return self._accounting(task)[0]
+
+    def task_download_messages(self, task: TaskSpec) -> int:
+        """How many messages the task reaches the device in, each paying the link's latency.
+
+        Why: one broker message carries a task, but an algorithm may specify a download in pieces
+        (EmbracingFL streams the frozen prefix chunk by chunk so it never holds it whole); the link
+        emulation charges what the device would really wait for.
+        """
+        return 1
+
+    def task_extra_peak(self, task: TaskSpec, num_samples: int) -> tuple[str, int] | None:
+        """Peak bytes of work the task needs besides training, with what it is (None: nothing).
+
+        Why: admission must cover everything a device does with the task. FedDSE, for one, runs the
+        *full* model forward over its inference set before it trains a sub-model; a device that can
+        train the sub-model but not hold that pass must refuse the task, not run it over budget.
+        """
+        return None
 
     def task_flops(self, task: TaskSpec, num_samples: int) -> int:
         """Training FLOPs of the task on ``num_samples`` local samples (forward + backward, all epochs).

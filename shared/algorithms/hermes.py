@@ -22,8 +22,8 @@ The four halves, all here:
   vectors, all plain float64 sums, so any split over aggregators gives the same answer;
 * **options** for the spec's ablations: ``r_target: 1.0`` (no pruning), ``aggregation:
   masked_fedavg`` (divide by the number of participants — the dilution bug Hermes avoids),
-  ``acc_threshold: 0``, ``prune_on: trained``, ``weighting: samples``; and ``init: he_normal``, a
-  diagnostic initial model (the spec prototype's init, see docs/algorithms/hermes.md);
+  ``acc_threshold: 0``, ``prune_on: trained``, ``weighting: samples`` (the initial model is the
+  experiment's ``model.init``, the same for Hermes and its baselines);
 * **all-device evaluation** — ``plan_evaluation`` sends ``W ⊙ M_k``, ``evaluate_device`` reports it
   and the device's last locally trained subnetwork.
 
@@ -33,7 +33,6 @@ The structure (which tensor axis each unit owns, compaction, FLOPs) is
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -61,63 +60,13 @@ from shared.algorithms.base import (
     model_arrays,
 )
 from shared.algorithms.training import evaluate, local_sgd
-from shared.data import Dataset
 from shared.data.partitioning import split_local
 from shared.models.hermes_layers import Keep, UnitStructure, group_lasso, structured_prune
 
 #: the update tensor naming the device whose mask the upload carries (see ``reduce``)
-DEVICE_KEY = "hermes.device"
 #: per-device JSON-lines log of every task's metrics (the rounds table keeps only accuracy/loss)
 DEVICE_LOG = "device_log.jsonl"
 STATE_FILE = "hermes_state.npz"
-
-
-# -- the noisy digits variant (spec §8.1) ------------------------------------------------------------
-def noise_seed(experiment_seed: int) -> int:
-    """The noise realisation of an experiment seed (shared by every algorithm of that seed)."""
-    return derive_seed(experiment_seed, "feature-noise")
-
-
-def add_feature_noise(x: np.ndarray, std: float, seed: int) -> np.ndarray:
-    """``x + N(0, std²)`` per sample, the noise a pure function of ``(seed, the clean sample)``.
-
-    Keyed by the sample's bytes rather than its position, so adding noise to a device's slice (inside
-    a strategy) and to the whole dataset (``noisy_dataset``) give bit-identical noisy samples: Hermes,
-    Standalone and FedAvg then see the same noisy data whichever way each is wired. (The 1,797 digits
-    are pairwise distinct, so no two samples share a noise draw.)
-    """
-    if std <= 0:
-        return x
-    out = np.empty(x.shape, dtype=np.float32)
-    key = int(seed).to_bytes(8, "little", signed=False)
-    for i, sample in enumerate(np.asarray(x, dtype=np.float32)):
-        h = derive_seed(key.hex(), np.ascontiguousarray(sample, dtype="<f4").tobytes().hex())
-        out[i] = sample + np.random.default_rng(h).normal(0.0, std, sample.shape).astype(np.float32)
-    return out
-
-
-def noisy_dataset(ds: Dataset, std: float, seed: int) -> Dataset:
-    """The whole dataset with :func:`add_feature_noise` on train and test (for a ``dataset:`` option)."""
-    if std <= 0:
-        return ds
-    return dataclasses.replace(
-        ds, x_train=add_feature_noise(ds.x_train, std, seed), x_test=add_feature_noise(ds.x_test, std, seed)
-    )
-
-
-def he_normal_(model: nn.Module, seed: int) -> None:
-    """Re-initialise every ``Linear``/``Conv`` weight as N(0, 2/fan_in) and zero its bias (in place).
-
-    Drawn from a generator seeded by ``seed`` (the global torch RNG is left alone).
-    """
-    gen = torch.Generator().manual_seed(seed % (2**63))
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, nn.Linear | nn.Conv1d | nn.Conv2d):
-                fan_in = m.weight[0].numel()
-                m.weight.normal_(0.0, math.sqrt(2.0 / fan_in), generator=gen)
-                if m.bias is not None:
-                    m.bias.zero_()
 
 
 # -- device-side logs ----------------------------------------------------------------------------------
@@ -163,13 +112,9 @@ class LocalData:
     y_test: np.ndarray
 
 
-def local_data(
-    data: DeviceData, *, device_id: int, experiment_seed: int, val_fraction: float, noise_std: float
-) -> LocalData:
-    """Noise (if asked) and a stratified, per-device-fixed train/validation split of the train data."""
-    seed = noise_seed(experiment_seed)
-    x_tr = add_feature_noise(data.x_train, noise_std, seed)
-    x_te = add_feature_noise(data.x_test, noise_std, seed)
+def local_data(data: DeviceData, *, device_id: int, experiment_seed: int, val_fraction: float) -> LocalData:
+    """A stratified, per-device-fixed train/validation split of the device's train data."""
+    x_tr, x_te = data.x_train, data.x_test
     idx = np.arange(len(data.y_train), dtype=np.int64)
     split_seed = derive_seed(experiment_seed, "hermes-val", device_id) % (2**32)
     tr, va = split_local(idx, val_fraction, split_seed, labels=data.y_train)
@@ -203,13 +148,6 @@ class HermesOptions(BaseModel):
     #: comparison) or the downloaded W ⊙ M_k; both are always reported as ``eval_accuracy_local`` and
     #: ``eval_accuracy_download``
     primary_eval: Literal["local", "download"] = "local"
-    #: σ of Gaussian feature noise on the device's data (spec §8.1 hard variant: 0.5); 0 = clean
-    feature_noise_std: float = Field(0.0, ge=0)
-    #: initial dense model W^0: ``model`` = the model factory's initialisation (PyTorch's default, as
-    #: the paper's PyTorch 1.5 code; the default), ``he_normal`` = weights N(0, 2/fan_in), biases 0.
-    #: The spec does not fix the initialisation; ``he_normal`` is a *diagnostic* (docs/algorithms/
-    #: hermes.md): the larger initial weights make the global model clear the accuracy gate sooner.
-    init: Literal["model", "he_normal"] = "model"
 
 
 class Hermes(Strategy):
@@ -234,7 +172,7 @@ class Hermes(Strategy):
     def device_keep(self, state: ServerState, device: int) -> Keep:
         """The server's mask of ``device`` (all ones until its first upload)."""
         keep = self.structure.full_keep()
-        for layer in self.structure.prunable:
+        for layer in self.structure.hidden:
             stored = state.arrays.get(self.mask_key(device, layer))
             if stored is not None:
                 keep[layer] = np.asarray(stored, dtype=np.bool_).copy()
@@ -243,8 +181,6 @@ class Hermes(Strategy):
     # -- server half -----------------------------------------------------------------------------------
     def init_state(self) -> ServerState:
         model = self.ctx.model_factory()
-        if self.opts.init == "he_normal":
-            he_normal_(model, derive_seed(self.ctx.seed, "hermes-he-init"))
         return ServerState(model_arrays(model), {"prune_events": 0.0})
 
     def plan(self, state: ServerState, round: int, devices: list[int]) -> dict[int, TaskSpec]:
@@ -253,7 +189,7 @@ class Hermes(Strategy):
         out: dict[int, TaskSpec] = {}
         for dev in devices:
             keep = self.device_keep(state, dev)
-            sig = b"".join(np.packbits(keep[k]).tobytes() for k in self.structure.prunable)
+            sig = b"".join(np.packbits(keep[k]).tobytes() for k in self.structure.hidden)
             if sig not in shared:
                 shared[sig] = TaskSpec(self.structure.payload(state.arrays, keep))
             out[dev] = shared[sig]
@@ -277,7 +213,7 @@ class Hermes(Strategy):
             if not key.startswith("mask/"):
                 continue
             layer = key.split("/", 2)[2]
-            if layer not in self.structure.prunable:
+            if layer not in self.structure.hidden:
                 continue
             old = arrays.get(key)
             kept = vec > 0.5
@@ -301,7 +237,7 @@ class Hermes(Strategy):
 
     # -- client half -----------------------------------------------------------------------------------
     def _data(self, device: DeviceContext) -> LocalData:
-        """The device's split (and noise), computed once per device: it is fixed for the run."""
+        """The device's split, computed once per device: it is fixed for the run."""
         cached = self._local.get(device.device_id)
         if cached is None or cached[0] is not device.data:  # holding the object: no id() reuse
             split = local_data(
@@ -309,7 +245,6 @@ class Hermes(Strategy):
                 device_id=device.device_id,
                 experiment_seed=self.ctx.seed,
                 val_fraction=self.opts.val_fraction,
-                noise_std=self.opts.feature_noise_std,
             )
             cached = self._local[device.device_id] = (device.data, split)
         return cached[1]
@@ -368,7 +303,6 @@ class Hermes(Strategy):
 
         # 3. upload the kept weights; the payload's structure is the new mask
         tensors = st.payload(trained, new_keep)
-        tensors[DEVICE_KEY] = codec.Dense(np.array([device.device_id], dtype=np.int64))
         density = st.density(new_keep)
         kept = st.kept_params(new_keep)
         primary = ev_local if o.primary_eval == "local" else ev_down
@@ -453,14 +387,12 @@ class Hermes(Strategy):
 
     # -- aggregation half ------------------------------------------------------------------------------
     def validate_update(self, update: UpdateSpec) -> None:
-        expected = {*self.structure.shapes, DEVICE_KEY}
-        if set(update.tensors) != expected:
+        if set(update.tensors) != set(self.structure.shapes):
             raise codec.CodecError("tensor", f"update names {sorted(update.tensors)[:4]}... do not match")
-        dev = update.tensors[DEVICE_KEY]
-        if not isinstance(dev, codec.Dense) or dev.array.shape != (1,) or dev.array.dtype.kind not in "iu":
-            raise codec.CodecError("tensor", f"{DEVICE_KEY} must be one integer")
-        if int(dev.array[0]) < 0:
-            raise codec.CodecError("tensor", f"{DEVICE_KEY} must be a device id ≥ 0")
+        if update.device_id is None:
+            # The mask is stored under the sender's id: it must come from the aggregator's validated
+            # envelope (an id the device reports itself could overwrite another device's mask).
+            raise codec.CodecError("tensor", "update carries no envelope device id")
         self.structure.keep_from_payload(update.tensors)
         if update.num_samples <= 0:
             raise codec.CodecError("tensor", "num_samples must be positive")
@@ -474,9 +406,8 @@ class Hermes(Strategy):
         """
         st = self.structure
         keep = st.keep_from_payload(update.tensors)
-        dev_t = update.tensors[DEVICE_KEY]
-        assert isinstance(dev_t, codec.Dense)
-        dev = int(dev_t.array[0])
+        assert update.device_id is not None  # validate_update checked it
+        dev = update.device_id
         p = 1.0 if self.opts.weighting == "uniform" else float(update.num_samples)
         arrays: dict[str, np.ndarray] = {}
         for name in st.shapes:
@@ -487,7 +418,7 @@ class Hermes(Strategy):
             arrays[f"count/{name}"] = p * (
                 mask if self.opts.aggregation == "holder_mean" else np.ones_like(mask)
             )
-        for layer in st.prunable:
+        for layer in st.hidden:
             arrays[self.mask_key(dev, layer)] = keep[layer].astype(np.float64)
         scalars = {"updates": 1.0, "pruned": float(update.metrics.get("pruned", 0.0))}
         return partial.add(Partial(arrays, scalars))

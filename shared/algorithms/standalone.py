@@ -15,7 +15,7 @@ Device state (the model, the epochs done) lives in ``state_dir`` as ``standalone
 task always starts from the newest file of an *earlier* round, so a replayed task (client crash before
 the update was confirmed) recomputes the same result instead of training twice.
 
-The noisy digits variant (spec §8.1) is ``feature_noise_std``, the same noise as Hermes'.
+The noisy digits variant (spec §8.1) is the config's ``dataset.feature_noise_std``, as for every method.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from shared.algorithms.base import (
     load_arrays,
     model_arrays,
 )
-from shared.algorithms.hermes import add_feature_noise, append_device_log, atomic_savez, noise_seed
+from shared.algorithms.hermes import append_device_log, atomic_savez
 from shared.algorithms.training import evaluate, local_sgd
 
 _STATE = re.compile(r"^standalone-(\d+)\.npz$")
@@ -50,8 +50,6 @@ class StandaloneOptions(BaseModel):
     epochs_per_round: int | None = Field(None, ge=1)
     #: total local epochs a device trains over the whole run (None = no limit)
     max_epochs: int | None = Field(None, ge=1)
-    #: σ of the Gaussian feature noise of the hard digits variant (0 = clean)
-    feature_noise_std: float = Field(0.0, ge=0)
 
 
 class Standalone(Strategy):
@@ -91,9 +89,7 @@ class Standalone(Strategy):
             with np.load(earlier[-1][1], allow_pickle=False) as z:
                 load_arrays(model, {k.removeprefix("w/"): z[k] for k in z.files if k.startswith("w/")})
                 epochs_done = int(z["epochs_done"][0])
-        seed = noise_seed(self.ctx.seed)
-        x_train = add_feature_noise(device.data.x_train, opts.feature_noise_std, seed)
-        x_test = add_feature_noise(device.data.x_test, opts.feature_noise_std, seed)
+        x_train, x_test = device.data.x_train, device.data.x_test
         epochs = opts.epochs_per_round or self.ctx.train.local_epochs
         if opts.max_epochs is not None:
             epochs = max(0, min(epochs, opts.max_epochs - epochs_done))

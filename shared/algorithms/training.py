@@ -44,12 +44,15 @@ def local_sgd(
     loss_fn = nn.CrossEntropyLoss()
     for _ in range(epochs if epochs is not None else train.local_epochs):
         order = torch.from_numpy(rng.permutation(n))
-        for start in range(0, n, train.batch_size):
+        stop = n - n % train.batch_size if train.drop_last and n > train.batch_size else n
+        for start in range(0, stop, train.batch_size):
             idx = order[start : start + train.batch_size]
             opt.zero_grad(set_to_none=True)
             loss = loss_fn(model(xt[idx]), yt[idx])
             total = loss + penalty(model) if penalty is not None else loss
             total.backward()
+            if train.clip_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(trainable, train.clip_grad_norm)
             opt.step()
             if after_step is not None:
                 after_step(model)

@@ -35,14 +35,27 @@ class DatasetConfig(_Strict):
     shards_per_device: int = Field(2, ge=1)
     #: fraction of each device's samples held out for personalised evaluation (0 = none)
     local_test_fraction: float = Field(0.0, ge=0, lt=1)
+    #: how that hold-out is drawn: ``random`` (a uniform draw) or ``stratified`` (per label, so the
+    #: local test set has the device's own class mix — what a few-samples-per-class device needs
+    #: for a meaningful personal accuracy). ``random`` is the default the published numbers used.
+    local_test_split: Literal["random", "stratified"] = "random"
     #: use only the first N training samples (None = all); the benchmark workload uses 1500 of digits
     train_limit: int | None = Field(None, ge=1)
+    #: σ of Gaussian noise added to every feature of train and test samples (0 = clean data); the
+    #: noise of a sample depends only on the experiment seed and the sample, so every algorithm and
+    #: every service sees the same noisy data (Hermes' noisy digits variant uses 0.5)
+    feature_noise_std: float = Field(0.0, ge=0)
 
 
 class ModelConfig(_Strict):
     name: str = "mlp"
     #: extra keyword arguments for ``shared.models.build_model`` (e.g. ``hidden: [128, 64]``)
     options: dict[str, Any] = Field(default_factory=dict)
+    #: the initial weights w(0) of every algorithm alike: ``default`` = the model's own (PyTorch's
+    #: ``kaiming_uniform(a=√5)`` for Linear/Conv), ``he_normal`` = weights N(0, 2/fan_in), biases 0.
+    #: Why a config key and not an algorithm option: an init sweep must change the baselines too,
+    #: or the comparison is tuned for one side (docs/algorithms/hermes.md shows how much it matters).
+    init: Literal["default", "he_normal"] = "default"
 
 
 class AlgorithmConfig(_Strict):
@@ -57,6 +70,12 @@ class TrainConfig(_Strict):
     lr: float = Field(0.05, gt=0)
     momentum: float = Field(0.0, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
+    #: clip the gradient's global L2 norm to this before each step (None = no clipping); the
+    #: HeteroFL/FedDSE authors' code clips at 1
+    clip_grad_norm: float | None = Field(None, gt=0)
+    #: skip a last minibatch shorter than ``batch_size`` (kept when it is the only one): BatchNorm
+    #: in training mode cannot normalise a batch of one sample
+    drop_last: bool = False
 
 
 class ProcessConfig(_Strict):

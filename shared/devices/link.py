@@ -186,18 +186,23 @@ def emulate_transfer(
     *,
     mode: TimeMode = "virtual",
     time_factor: float = 1.0,
+    messages: int = 1,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
 ) -> float:
     """The emulated seconds of sending ``nbytes`` over ``profile``'s link (``up`` or ``down``).
 
     In ``virtual`` mode this only computes; in ``real`` mode it also paces the caller (see
-    :func:`throttle`). Either way the returned number is the emulated duration.
+    :func:`throttle`). Either way the returned number is the emulated duration. ``messages``: how
+    many messages the bytes travel in on the device's link; each pays the latency once.
     """
+    if messages < 1:
+        raise ValueError(f"messages must be ≥ 1, got {messages}")
     rate = profile.uplink_bps if direction == "up" else profile.downlink_bps
+    latency = profile.latency_s * messages
     if mode == "virtual":
-        return transfer_seconds(nbytes, rate, profile.latency_s)
-    return throttle(nbytes, rate, time_factor, latency_s=profile.latency_s, clock=clock, sleep=sleep)
+        return transfer_seconds(nbytes, rate, latency)
+    return throttle(nbytes, rate, time_factor, latency_s=latency, clock=clock, sleep=sleep)
 
 
 def emulate_compute(

@@ -407,7 +407,13 @@ class Admission:
     detail: str
 
 
-def admit(footprint: TrainingFootprint, memory_bytes: int, *, tier: str = "") -> Admission:
+def admit(
+    footprint: TrainingFootprint,
+    memory_bytes: int,
+    *,
+    tier: str = "",
+    extra: tuple[str, int] | None = None,
+) -> Admission:
     """Does ``footprint`` fit in ``memory_bytes``? Fits means ``total <= budget``, never "almost".
 
     Why a helper: every client must refuse with the same reason label and an explanation a person can
@@ -426,9 +432,18 @@ def admit(footprint: TrainingFootprint, memory_bytes: int, *, tier: str = "") ->
         f"training footprint {format_bytes(footprint.total)} ({footprint.total} B = {parts}) "
         f"{verb} the memory budget {format_bytes(memory_bytes)} ({memory_bytes} B){who}"
     )
+    peak = footprint.total
+    if extra is not None:
+        # Work outside training (e.g. FedDSE's full-model scoring pass) runs before it, not beside
+        # it: the task's peak is the larger of the two, and each must fit on its own.
+        what, nbytes = extra
+        extra_fits = nbytes <= memory_bytes
+        peak = max(peak, nbytes)
+        detail += f"; {what} {format_bytes(nbytes)} ({nbytes} B) {'fits in' if extra_fits else 'exceeds'} it"
+        fits = fits and extra_fits
     return Admission(
         admitted=fits,
-        footprint_bytes=footprint.total,
+        footprint_bytes=peak,
         budget_bytes=memory_bytes,
         reason="" if fits else "memory",
         detail=detail,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -100,6 +101,36 @@ def build_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return builder(shape, int(num_classes), **kwargs)
+
+
+def he_normal_(model: nn.Module, seed: int) -> None:
+    """Re-initialise every ``Linear``/``Conv`` weight as N(0, 2/fan_in) and zero its bias, in place.
+
+    He et al.'s init for ReLU networks, the usual choice of a hand-written numpy MLP (and, by our
+    measurement, of the Hermes spec's prototype). Drawn from a generator seeded by ``seed`` so the
+    global torch RNG is left alone; BatchNorm and other layers keep their own init.
+    """
+    gen = torch.Generator().manual_seed(seed % (2**63))
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.Linear | nn.Conv1d | nn.Conv2d):
+                fan_in = m.weight[0].numel()
+                m.weight.normal_(0.0, math.sqrt(2.0 / fan_in), generator=gen)
+                if m.bias is not None:
+                    m.bias.zero_()
+
+
+INITS: dict[str, Callable[[nn.Module, int], None] | None] = {"default": None, "he_normal": he_normal_}
+
+
+def initialise(model: nn.Module, scheme: str, seed: int) -> nn.Module:
+    """Apply the named init ``scheme`` (``model.init`` of the config) to ``model``; returns it."""
+    if scheme not in INITS:
+        raise ValueError(f"unknown init {scheme!r}; valid: {', '.join(INITS)}")
+    fn = INITS[scheme]
+    if fn is not None:
+        fn(model, seed)
+    return model
 
 
 def num_parameters(model: nn.Module, *, trainable_only: bool = False) -> int:

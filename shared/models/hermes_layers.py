@@ -6,16 +6,10 @@ sub-block per tensor) and the physically smaller model the device deploys. All t
 here from one object, :class:`UnitStructure`, from the same per-layer *keep vectors*, so they cannot
 drift apart.
 
-The model contract: a flat ``nn.Sequential`` of ``Linear``/``Conv2d`` weight layers, optional
-``BatchNorm1d/2d`` after a weight layer, and unit-preserving modules in between (activations, pools,
-dropout, ``Flatten``). Every weight layer but the last (the classifier, whose rows are class logits)
-has a keep vector over its output units. Unit ``u`` of layer ``l`` owns: row/filter ``u`` of the
-weight, bias ``u``, BatchNorm entry ``u`` (weight, bias, running stats) and the input columns of the
-next weight layer that unit ``u`` feeds (one column, one channel, or — after a ``Flatten`` — the
-``H'·W'`` consecutive features of channel ``u``). So each tensor's mask is the outer product of an
-output keep vector and an (expanded) input keep vector, and removing a unit is a slice.
-
-ResNets (skip connections couple units across layers) are not supported and raise ``ValueError``.
+The model contract and what a unit owns are the shared unit graph's
+(:mod:`shared.models.unit_graph`): each tensor's mask is the outer product of an output keep vector
+and an (expanded) input keep vector, and removing a unit is a slice. The classifier's rows (class
+logits) are never pruned; ResNets are refused.
 """
 
 from __future__ import annotations
@@ -24,7 +18,6 @@ import copy
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -32,142 +25,23 @@ import torch
 from torch import nn
 
 from shared import codec
+from shared.models.unit_graph import UnitGraph
 
+#: hidden layer name -> boolean keep vector over its output units
 Keep = dict[str, npt.NDArray[np.bool_]]
 
-#: modules that map unit ``u`` of their input to unit ``u`` of their output (or are shape-only)
-_PASSTHROUGH = (
-    nn.ReLU,
-    nn.ReLU6,
-    nn.LeakyReLU,
-    nn.ELU,
-    nn.GELU,
-    nn.SiLU,
-    nn.Tanh,
-    nn.Sigmoid,
-    nn.Dropout,
-    nn.Dropout2d,
-    nn.Identity,
-    nn.MaxPool2d,
-    nn.AvgPool2d,
-    nn.AdaptiveAvgPool2d,
-    nn.AdaptiveMaxPool2d,
-    nn.Flatten,
-)
 
+class UnitStructure(UnitGraph):
+    """Hermes' structured groups of one architecture (see the module docstring): the shared unit
+    graph plus boolean keep vectors, masks, payloads and compaction."""
 
-@dataclass(frozen=True)
-class WeightLayer:
-    """One ``Linear``/``Conv2d`` layer of the chain."""
-
-    name: str
-    kind: str  # "linear" | "conv"
-    out_units: int
-    #: the weight layer feeding this one (None for the first) and how many input features each of its
-    #: units feeds (1, or H'·W' for the first Linear after a conv + Flatten)
-    source: str | None
-    in_group: int
-    prunable: bool
-    #: output positions per sample (1 for Linear, H_out·W_out for conv): FLOPs = 2·kept weights·positions
-    positions: int
-
-
-@dataclass(frozen=True)
-class TensorRule:
-    """Which keep vector governs axis 0 (``out``) and axis 1 (``src``, expanded by ``group``)."""
-
-    out: str | None
-    src: str | None
-    group: int
-
-
-class UnitStructure:
-    """The structured groups of one model architecture (see the module docstring)."""
-
-    def __init__(self, model: nn.Module, input_shape: tuple[int, ...]) -> None:
-        if not isinstance(model, nn.Sequential):
-            raise ValueError(
-                f"Hermes' structured masks need a flat nn.Sequential model, got {type(model).__name__}"
-            )
-        layers: list[WeightLayer] = []
-        norms: dict[str, str] = {}  # BN module -> weight layer it normalises
-        prev: WeightLayer | None = None
-        positions = _output_positions(model, input_shape)
-        children = list(model.named_children())
-        weight_names = [n for n, m in children if isinstance(m, nn.Linear | nn.Conv2d)]
-        if len(weight_names) < 1:
-            raise ValueError("the model has no Linear/Conv2d layer")
-        for name, m in children:
-            if isinstance(m, nn.Linear | nn.Conv2d):
-                if isinstance(m, nn.Conv2d) and (
-                    m.groups != 1 or (prev is not None and prev.kind == "linear")
-                ):
-                    raise ValueError(f"{name}: grouped convs and convs after Linear layers are not supported")
-                fan_in = m.in_features if isinstance(m, nn.Linear) else m.in_channels
-                out = m.out_features if isinstance(m, nn.Linear) else m.out_channels
-                group = 1
-                if prev is not None:
-                    if fan_in % prev.out_units:
-                        raise ValueError(
-                            f"{name}: {fan_in} inputs are not a whole number per unit of {prev.name} "
-                            f"({prev.out_units} units)"
-                        )
-                    group = fan_in // prev.out_units
-                    if isinstance(m, nn.Conv2d) and group != 1:
-                        raise ValueError(f"{name}: input channels do not match {prev.name}'s filters")
-                prev = WeightLayer(
-                    name=name,
-                    kind="linear" if isinstance(m, nn.Linear) else "conv",
-                    out_units=out,
-                    source=prev.name if prev is not None else None,
-                    in_group=group,
-                    prunable=name != weight_names[-1],
-                    positions=positions[name],
-                )
-                layers.append(prev)
-            elif isinstance(m, nn.BatchNorm1d | nn.BatchNorm2d):
-                if prev is None or m.num_features != prev.out_units:
-                    raise ValueError(f"{name}: BatchNorm must follow a weight layer with as many units")
-                norms[name] = prev.name
-            elif isinstance(m, _PASSTHROUGH):
-                continue
-            else:
-                raise ValueError(
-                    f"{name}: {type(m).__name__} is not supported by unit-structured pruning "
-                    "(supported: Linear, Conv2d, BatchNorm, activations, pools, dropout, Flatten)"
-                )
-        self.layers: dict[str, WeightLayer] = {layer.name: layer for layer in layers}
-        self.norms = norms
-        self.prunable: list[str] = [layer.name for layer in layers if layer.prunable]
-        self.classifier: str = layers[-1].name
-        self.input_shape = tuple(input_shape)
-        # Rules for every float tensor of the state dict (parameters and BN running stats).
-        self.rules: dict[str, TensorRule] = {}
-        self.shapes: dict[str, tuple[int, ...]] = {}
-        self.param_names: list[str] = [n for n, _ in model.named_parameters()]
-        for tname, t in model.state_dict().items():
-            if not t.dtype.is_floating_point:
-                continue
-            module = tname.rsplit(".", 1)[0]
-            self.shapes[tname] = tuple(t.shape)
-            if module in self.layers:
-                layer = self.layers[module]
-                owned = module if layer.prunable else None
-                if tname.endswith(".weight"):
-                    self.rules[tname] = TensorRule(owned, layer.source, layer.in_group)
-                else:  # bias
-                    self.rules[tname] = TensorRule(owned, None, 1)
-            elif module in norms:
-                owner = norms[module]
-                self.rules[tname] = TensorRule(owner if self.layers[owner].prunable else None, None, 1)
-            else:
-                raise ValueError(f"tensor {tname} belongs to no supported layer")
-        self.total_params = sum(math.prod(self.shapes[n]) for n in self.param_names)
+    PURPOSE = "Hermes' structured masks"
+    MIN_WEIGHT_LAYERS = 1
 
     # -- keep vectors and masks ----------------------------------------------------------------------
     def full_keep(self) -> Keep:
         """All units kept: the mask every device starts with."""
-        return {name: np.ones(self.layers[name].out_units, dtype=np.bool_) for name in self.prunable}
+        return {name: np.ones(self.layers[name].units, dtype=np.bool_) for name in self.hidden}
 
     def axis_indices(self, tensor: str, keep: Keep) -> tuple[npt.NDArray[np.int64] | None, ...]:
         """Kept positions per axis of ``tensor`` (``None`` = whole axis), the ``Sliced`` indices."""
@@ -226,10 +100,10 @@ class UnitStructure:
 
     def check_keep(self, keep: Keep) -> None:
         """Raise ``CodecError`` unless ``keep`` has one vector per prunable layer with ≥ 1 unit."""
-        if set(keep) != set(self.prunable):
-            raise codec.CodecError("tensor", f"keep vectors for {sorted(keep)}, expected {self.prunable}")
+        if set(keep) != set(self.hidden):
+            raise codec.CodecError("tensor", f"keep vectors for {sorted(keep)}, expected {self.hidden}")
         for name, v in keep.items():
-            if v.shape != (self.layers[name].out_units,) or not v.any():
+            if v.shape != (self.layers[name].units,) or not v.any():
                 raise codec.CodecError("tensor", f"{name}: a keep vector needs ≥ 1 of {v.shape} units")
 
     # -- payloads --------------------------------------------------------------------------------------
@@ -241,11 +115,11 @@ class UnitStructure:
         bias that disagrees with its row — is a ``CodecError``, so it is dead-lettered, not averaged.
         """
         keep: Keep = {}
-        for name in self.prunable:
+        for name in self.hidden:
             t = tensors.get(f"{name}.weight")
             if t is None:
                 raise codec.CodecError("tensor", f"payload lacks {name}.weight")
-            keep[name] = _axis0_keep(t, self.layers[name].out_units)
+            keep[name] = _axis0_keep(t, self.layers[name].units)
         self.check_keep(keep)
         for name, shape in self.shapes.items():
             t = tensors.get(name)
@@ -320,7 +194,7 @@ class UnitStructure:
                     padding_mode=m.padding_mode,
                 )
             elif isinstance(m, nn.BatchNorm1d | nn.BatchNorm2d):
-                owner = self.norms[name]
+                owner = self.owner[name]
                 n = int(keep[owner].sum()) if owner in keep else m.num_features
                 new[name] = type(m)(
                     n,
@@ -365,62 +239,6 @@ def _axis0_keep(t: codec.Tensor, units: int) -> npt.NDArray[np.bool_]:
     raise codec.CodecError("kind", f"unexpected payload kind {type(t).__name__}")
 
 
-def _output_positions(model: nn.Sequential, input_shape: tuple[int, ...]) -> dict[str, int]:
-    """Output positions per sample of every weight layer, from one forward pass of a zero batch."""
-    found: dict[str, int] = {}
-    hooks = []
-    for name, m in model.named_children():
-        if isinstance(m, nn.Linear | nn.Conv2d):
-
-            def hook(mod: nn.Module, inp: object, out: torch.Tensor, name: str = name) -> None:
-                found[name] = int(out[0].numel() // out.shape[1])
-
-            hooks.append(m.register_forward_hook(hook))
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            model(torch.zeros((1, *input_shape)))
-    finally:
-        for h in hooks:
-            h.remove()
-        model.train(was_training)
-    return found
-
-
-def forward_flops(model: nn.Module, input_shape: tuple[int, ...]) -> int:
-    """Measured forward FLOPs per sample (2 · MACs of Linear/Conv2d layers), by forward hooks.
-
-    Independent of :meth:`UnitStructure.flops`, so a test can check that the compacted model really
-    is cheaper rather than trusting the formula that predicts it.
-    """
-    total = 0
-    hooks = []
-
-    def hook(mod: nn.Module, inp: object, out: torch.Tensor) -> None:
-        nonlocal total
-        if isinstance(mod, nn.Linear):
-            total += 2 * mod.in_features * mod.out_features
-        elif isinstance(mod, nn.Conv2d):
-            kh, kw = mod.kernel_size
-            per_pos = mod.in_channels // mod.groups * mod.out_channels * kh * kw
-            total += 2 * per_pos * int(out[0].numel() // out.shape[1])
-
-    for m in model.modules():
-        if isinstance(m, nn.Linear | nn.Conv2d):
-            hooks.append(m.register_forward_hook(hook))
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            model(torch.zeros((1, *input_shape)))
-    finally:
-        for h in hooks:
-            h.remove()
-        model.train(was_training)
-    return total
-
-
 def group_lasso(structure: UnitStructure, lam: float) -> Callable[[nn.Module], torch.Tensor]:
     """``λ · R(W)`` of Hermes eq. 2–3: L2 norms of every row and column group of every weight layer.
 
@@ -456,7 +274,7 @@ def structured_prune(
     Returns the new keep vectors (a subset of ``keep``: masks only shrink).
     """
     order: dict[str, npt.NDArray[np.int64]] = {}
-    for name in structure.prunable:
+    for name in structure.hidden:
         alive = np.flatnonzero(keep[name])
         w = np.asarray(arrays[f"{name}.weight"], dtype=np.float64)
         scores = np.sqrt((w[alive].reshape(len(alive), -1) ** 2).sum(axis=1))

@@ -64,8 +64,9 @@ def _fmt(v: Any) -> Any:
 
 
 def write_rounds(run_dir: Path, rows: list[dict[str, Any]]) -> None:
-    """The fixed columns, then any ``m_<metric>`` columns (device-reported metrics an algorithm adds)."""
-    extra = sorted({k for row in rows for k in row if k.startswith("m_")})
+    """The fixed columns, then any ``m_<metric>`` columns (device-reported metrics an algorithm adds)
+    and ``e_<metric>`` columns (extra numbers of the server-side evaluation)."""
+    extra = sorted({k for row in rows for k in row if k.startswith(("m_", "e_"))})
     columns = ROUND_COLUMNS + extra
     with (run_dir / "rounds.csv").open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
@@ -118,6 +119,48 @@ def read_summary(run_dir: Path) -> dict[str, Any]:
     return data
 
 
+def plot_compare(runs: dict[str, list[dict[str, Any]]], out: Path) -> Path:
+    """One figure for several runs: accuracy vs round and accuracy vs cumulative wire bytes.
+
+    Why: the question this tool answers is "what does each algorithm cost in bytes for the accuracy
+    it reaches"; two runs' ``accuracy_vs_bytes.png`` side by side have different axes, one overlay
+    does not. ``runs`` maps a label to its ``rounds.csv`` rows; the bytes axis is logarithmic because
+    algorithms differ by orders of magnitude (threshold-only vs dense models).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_round, by_bytes) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=100)
+    plotted = 0
+    for label, rows in runs.items():
+        pts = [r for r in rows if r.get("accuracy") is not None]
+        if not pts:
+            continue
+        plotted += 1
+        acc = [r["accuracy"] for r in pts]
+        cum = [max((r["cum_bytes_up"] + r["cum_bytes_down"]) / 1e6, 1e-6) for r in pts]
+        by_round.plot([r["round"] for r in pts], acc, marker="o", markersize=2, label=label)
+        by_bytes.plot(cum, acc, marker="o", markersize=2, label=label)
+    if not plotted:
+        plt.close(fig)
+        raise ValueError("none of the runs has an accuracy to plot")
+    by_round.set_xlabel("round")
+    by_bytes.set_xlabel("cumulative wire bytes, up + down (MB, log scale)")
+    by_bytes.set_xscale("log")
+    for ax in (by_round, by_bytes):
+        ax.set_ylabel("accuracy")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+    by_bytes.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
 def plot_run(run_dir: Path, rows: list[dict[str, Any]], title: str) -> list[Path]:
     """accuracy vs round and accuracy vs cumulative wire bytes (up + down), as PNGs."""
     import matplotlib
@@ -149,3 +192,20 @@ def plot_run(run_dir: Path, rows: list[dict[str, Any]], title: str) -> list[Path
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def replace_doc_block(doc: Path, marker: str, text: str) -> None:
+    """Replace what lies between ``<!-- {marker}:begin -->`` and ``<!-- {marker}:end -->`` in ``doc``.
+
+    Why: the algorithm docs quote result tables that benchmark scripts regenerate from real runs;
+    writing them between markers keeps the prose around a table hand-written and the numbers
+    machine-written, so a rerun cannot leave a stale number behind. A doc without the markers is an
+    error, not a silent no-op (the table would otherwise never reach the doc).
+    """
+    begin, end = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
+    current = doc.read_text()
+    if current.count(begin) != 1 or current.count(end) != 1:
+        raise ValueError(f"{doc} needs exactly one {begin} ... {end} block")
+    head, rest = current.split(begin, 1)
+    tail = rest.split(end, 1)[1]
+    doc.write_text(f"{head}{begin}\n{text.rstrip()}\n{end}{tail}")

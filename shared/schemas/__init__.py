@@ -12,6 +12,8 @@ Bytes on the wire are msgpack; there is no pickle anywhere and nothing executes 
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import uuid
 from enum import StrEnum
 from typing import Any
@@ -76,6 +78,8 @@ class RoundOpen(_Body):
 
     selected: list[int]
     deadline_unix: float
+    #: this round's key for :func:`task_token` (hex); aggregators check each update's token with it
+    round_key: str = ""
 
 
 class Task(_Body):
@@ -84,6 +88,8 @@ class Task(_Body):
     device_id: int = Field(ge=0)
     tensors: dict[str, EncodedTensor] = Field(default_factory=dict)
     config: dict[str, Any] = Field(default_factory=dict)
+    #: :func:`task_token` of this device for this round: the device echoes it in what it sends back
+    token: str = ""
 
 
 class Update(_Body):
@@ -97,6 +103,8 @@ class Update(_Body):
     task_bytes: int = Field(0, ge=0)
     #: emulated seconds: download, compute, upload (virtual clock)
     timings: dict[str, float] = Field(default_factory=dict)
+    #: the task's token (:func:`task_token`), echoed back: proves the sender received this device's task
+    token: str = ""
 
 
 class Receipt(_Body):
@@ -120,6 +128,8 @@ class Reject(_Body):
     footprint_bytes: int = Field(0, ge=0)
     budget_bytes: int = Field(0, ge=0)
     task_bytes: int = Field(0, ge=0)
+    #: the task's token (:func:`task_token`), echoed back: proves the sender received this device's task
+    token: str = ""
 
 
 class Ready(_Body):
@@ -133,6 +143,8 @@ class Ready(_Body):
     device_id: int = Field(ge=0)
     finish_s: float = Field(ge=0)
     update_bytes: int = Field(ge=0)
+    #: the task's token (:func:`task_token`), echoed back: proves the sender received this device's task
+    token: str = ""
 
 
 class Go(_Body):
@@ -150,6 +162,8 @@ class EvalResult(_Body):
     #: False when the algorithm keeps no personalised model (nothing was evaluated)
     supported: bool = True
     metrics: dict[str, float] = Field(default_factory=dict)
+    #: the task's token (:func:`task_token`), echoed back: proves the sender received this device's task
+    token: str = ""
 
 
 class Flush(_Body):
@@ -235,6 +249,25 @@ class DecodeError(ValueError):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+def task_token(key: str, device_id: int) -> str:
+    """The token of ``device_id``'s task under a round's ``key``: HMAC-SHA256, 128 bits, hex.
+
+    Why: the routing key of an update says nothing about who sent it, and the device id in its body
+    is whatever the sender wrote. Only the server and the aggregators know the round's key, and a
+    device's token travels only in that device's task, so a client cannot send an update (or a
+    refusal, a ready or an evaluation result) in the name of a device whose task it never received.
+    An empty ``key`` (no round open) gives an empty token.
+    """
+    if not key:
+        return ""
+    return hmac.new(bytes.fromhex(key), str(device_id).encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def token_ok(key: str, device_id: int, token: str) -> bool:
+    """Whether ``token`` is ``device_id``'s token under ``key`` (constant-time comparison)."""
+    return hmac.compare_digest(task_token(key, device_id), token)
 
 
 def encode(
