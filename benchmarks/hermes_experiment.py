@@ -15,14 +15,14 @@ mean over all 30 devices* — not only over one round's participants, which is a
 * FedAvg: the final global model on each device's test split (spec §7), and central test accuracy;
 * Standalone: each device's last record.
 
-The noisy variant adds N(0, 0.5²) to the features. Hermes and Standalone get it through their
-``feature_noise_std`` option; FedAvg (which has no options) gets the bit-identical noisy dataset by
-wrapping the dataset loader in this process (``hermes.noisy_dataset``; the noise is keyed by sample).
+The noisy variant adds N(0, 0.5²) to the features: ``dataset.feature_noise_std`` of
+``hermes_digits_noisy.yaml``, which every method of the noisy runs inherits.
 
 Check 3 (Table 2) is computed on the paper's quantity, the up+down volume in the paper's accounting
 (4 B per kept value each way + 1 bit per parameter for the uploaded mask); the spec prototype's
-uploaded-parameter ratio and our actual wire bytes are reported beside it. The ``*-he-init`` runs are
-a diagnostic only (He-normal W^0, the spec prototype's initialisation; see the doc).
+uploaded-parameter ratio and our actual wire bytes are reported beside it. Every run starts from the
+configs' ``model.init: he_normal`` (the spec prototype's initialisation, the same W^0 for all
+methods); the ``*-default-init`` runs repeat the key comparisons with PyTorch's default init.
 
 Writes ``results.json`` and ``table.md`` under ``--out`` and, with ``--docs``, replaces the block
 between the ``hermes-results`` markers in ``docs/algorithms/hermes.md``.
@@ -31,14 +31,11 @@ between the ``hermes-results`` markers in ``docs/algorithms/hermes.md``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
-import shutil
 import statistics
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,16 +46,15 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import shared.experiment as experiment_module  # noqa: E402
-from services.cli import _run_inproc  # noqa: E402
+from services.cli import run_inproc_once  # noqa: E402
 from shared.algorithms.base import ServerState, load_arrays  # noqa: E402
-from shared.algorithms.hermes import Hermes, add_feature_noise, noise_seed, noisy_dataset, read_device_logs  # noqa: E402
+from shared.algorithms.hermes import Hermes, read_device_logs  # noqa: E402
 from shared.algorithms.training import evaluate  # noqa: E402
-from shared.config import dump_config, parse_config  # noqa: E402
+from shared.config import parse_config  # noqa: E402
+from shared.devices import forward_flops  # noqa: E402
 from shared.experiment import Experiment  # noqa: E402
-from shared.models.hermes_layers import forward_flops  # noqa: E402
+from shared.results import replace_doc_block  # noqa: E402
 
-NOISE = 0.5
 #: run label -> (variant of the data, algorithm, options)
 RUNS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "noisy/hermes": ("noisy", "hermes", {}),
@@ -74,12 +70,18 @@ RUNS: dict[str, tuple[str, str, dict[str, Any]]] = {
     # diagnostic for check 3: the same r_target sweep without the accuracy gate
     "clean/hermes-r0.3-threshold0": ("clean", "hermes", {"acc_threshold": 0.0}),
     "clean/hermes-r0.8-threshold0": ("clean", "hermes", {"r_target": 0.8, "acc_threshold": 0.0}),
-    # diagnostic for check 3: the spec's prototype initialisation (He-normal weights, zero biases)
-    "clean/hermes-r0.3-he-init": ("clean", "hermes", {"init": "he_normal"}),
-    "clean/hermes-r0.8-he-init": ("clean", "hermes", {"r_target": 0.8, "init": "he_normal"}),
     "clean/fedavg": ("clean", "fedavg", {}),
     "clean/standalone-50ep": ("clean", "standalone", {"max_epochs": 50}),
+    # diagnostic: PyTorch's default initialisation instead of the configs' He-normal (model.init),
+    # for every algorithm of check 1 and for the r_target pair of check 3 (see the doc)
+    "noisy/hermes-default-init": ("noisy", "hermes", {}),
+    "noisy/fedavg-default-init": ("noisy", "fedavg", {}),
+    "noisy/standalone-50ep-default-init": ("noisy", "standalone", {"max_epochs": 50}),
+    "clean/hermes-r0.3-default-init": ("clean", "hermes", {}),
+    "clean/hermes-r0.8-default-init": ("clean", "hermes", {"r_target": 0.8}),
 }
+#: runs whose initial model is PyTorch's default (``model.init: default``) instead of the YAML's
+DEFAULT_INIT = {label for label in RUNS if label.endswith("-default-init")}
 HERMES_KEYS = (
     "r_p",
     "r_target",
@@ -99,57 +101,31 @@ def _config(label: str, seed: int, rounds: int | None) -> dict[str, Any]:
     cfg["name"] = f"hermes-bench-{label.replace('/', '-')}-s{seed}"
     if rounds:
         cfg["rounds"] = rounds
+    if label in DEFAULT_INIT:
+        cfg["model"]["init"] = "default"
     base = dict(cfg["algorithm"]["options"])
     if algo == "hermes":
         cfg["algorithm"] = {"name": "hermes", "options": {**base, **opts}}
     elif algo == "standalone":
-        noise = {"feature_noise_std": NOISE} if variant == "noisy" else {}
-        cfg["algorithm"] = {"name": "standalone", "options": {**noise, **opts}}
+        cfg["algorithm"] = {"name": "standalone", "options": dict(opts)}
     else:
         cfg["algorithm"] = {"name": algo, "options": dict(opts)}
     return cfg
 
 
-@contextlib.contextmanager
-def _noisy_loader(enabled: bool, seed: int) -> Iterator[None]:
-    """Make ``Experiment.build`` see the noisy dataset (for algorithms without a noise option)."""
-    original = experiment_module.load_dataset
-    if enabled:
-        experiment_module.load_dataset = lambda name, path=None: noisy_dataset(  # type: ignore[assignment]
-            original(name, path), NOISE, noise_seed(seed)
-        )
-    try:
-        yield
-    finally:
-        experiment_module.load_dataset = original
-
-
 def _run(label: str, seed: int, out: Path, rounds: int | None, force: bool) -> Path:
-    cfg = parse_config(_config(label, seed, rounds), label)
     run_dir = out / f"{label.replace('/', '-')}-s{seed}"
-    if (run_dir / "summary.json").exists() and not force:
-        return run_dir
-    shutil.rmtree(run_dir, ignore_errors=True)
-    run_dir.mkdir(parents=True)
-    (run_dir / "config.yaml").write_text(dump_config(cfg))
-    started = time.time()
-    needs_dataset_noise = RUNS[label][0] == "noisy" and RUNS[label][1] == "fedavg"
-    with _noisy_loader(needs_dataset_noise, seed):
-        rc = _run_inproc(cfg, run_dir, f"hb-{label.replace('/', '-')}-s{seed}")
-    if rc != 0:
-        raise SystemExit(f"{label} seed {seed} failed (rc {rc})")
-    print(f"  {label} seed {seed}: {time.time() - started:.0f}s", file=sys.stderr)
+    cfg = parse_config(_config(label, seed, rounds), label)
+    run_inproc_once(cfg, run_dir, f"hb-{label.replace('/', '-')}-s{seed}", force=force)
     return run_dir
 
 
 def _measure(label: str, seed: int, run_dir: Path) -> dict[str, Any]:
     """The per-run numbers: all-device personalised accuracies, bytes, densities."""
-    variant, algo, _ = RUNS[label]
+    _, algo, _ = RUNS[label]
     cfg = parse_config(yaml.safe_load((run_dir / "config.yaml").read_text()), str(run_dir))
     summary = json.loads((run_dir / "summary.json").read_text())
-    with _noisy_loader(variant == "noisy" and algo == "fedavg", seed):
-        exp = Experiment.build(cfg)
-    noise = NOISE if variant == "noisy" and algo != "fedavg" else 0.0
+    exp = Experiment.build(cfg)  # the config's dataset, noisy for the noisy variant
     out: dict[str, Any] = {
         "bytes_up": summary["bytes_up"],
         "bytes_down": summary["bytes_down"],
@@ -161,7 +137,7 @@ def _measure(label: str, seed: int, run_dir: Path) -> dict[str, Any]:
 
     def test_split(dev: int) -> tuple[np.ndarray, np.ndarray]:
         d = exp.device_data(dev)
-        return add_feature_noise(d.x_test, noise, noise_seed(seed)), d.y_test
+        return d.x_test, d.y_test
 
     if algo == "fedavg":
         model = exp.model()
@@ -278,7 +254,9 @@ def table(
     ]
     for label in RUNS:
         variant, algo, _ = RUNS[label]
-        vs_fed = _fmt(ratio(label, f"{variant}/fedavg"), False)
+        same_init = label in DEFAULT_INIT and variant == "noisy"
+        ref = f"{variant}/fedavg-default-init" if same_init else f"{variant}/fedavg"
+        vs_fed = _fmt(ratio(label, ref), False)
         acc = _fmt(col(label, "accuracy"))
         if algo == "hermes":
             down = _fmt(col(label, "accuracy_download_last"))
@@ -343,21 +321,39 @@ def table(
             "(info)",
         ),
         (
-            "3. diagnostic: paper accounting with He-normal init (the prototype's init)",
-            _fmt(ratio("clean/hermes-r0.3-he-init", "clean/hermes-r0.8-he-init", "paper_bytes_total"), False),
+            "3. diagnostic: paper accounting with PyTorch's default init",
+            _fmt(
+                ratio(
+                    "clean/hermes-r0.3-default-init", "clean/hermes-r0.8-default-init", "paper_bytes_total"
+                ),
+                False,
+            ),
             "(info)",
         ),
         (
-            "3. diagnostic: uploaded parameters with He-normal init",
-            _fmt(ratio("clean/hermes-r0.3-he-init", "clean/hermes-r0.8-he-init", "upload_params"), False),
+            "3. diagnostic: uploaded parameters with PyTorch's default init",
+            _fmt(
+                ratio("clean/hermes-r0.3-default-init", "clean/hermes-r0.8-default-init", "upload_params"),
+                False,
+            ),
             "(info)",
         ),
         ("3. clean: r_target 0.5 / 0.8 ∈ [0.65, 0.85]", _fmt(r58, False), _ok(0.65 <= m(r58) <= 0.85)),
         ("3. clean: accuracy drop 0.8 → 0.3 ≤ 2 pts", f"{_fmt(drop)} pts", _ok(m(drop) <= 0.02)),
         ("2. clean: up+down vs FedAvg ≤ 0.55", _fmt(clean_fed, False), _ok(m(clean_fed) <= 0.55)),
         (
-            "2. diagnostic: clean, He-normal init, up+down vs FedAvg",
-            _fmt(ratio("clean/hermes-r0.3-he-init", "clean/fedavg"), False),
+            "2. diagnostic: clean, PyTorch's default init, up+down vs FedAvg",
+            _fmt(ratio("clean/hermes-r0.3-default-init", "clean/fedavg"), False),
+            "(info)",
+        ),
+        (
+            "1. diagnostic, PyTorch's default init: Hermes − FedAvg global",
+            f"{_fmt(diff('noisy/hermes-default-init', 'noisy/fedavg-default-init'))} pts",
+            "(info)",
+        ),
+        (
+            "1. diagnostic, PyTorch's default init: Hermes − Standalone (50 epochs)",
+            f"{_fmt(diff('noisy/hermes-default-init', 'noisy/standalone-50ep-default-init'))} pts",
             "(info)",
         ),
         ("2. noisy: up+down vs FedAvg ≤ 0.80", _fmt(noisy_fed, False), _ok(m(noisy_fed) <= 0.80)),
@@ -397,8 +393,8 @@ def table(
             "(info)",
         ),
         (
-            "gate: share of wanted prunes refused, clean r_target 0.3, He-normal init",
-            f"{_fmt(col('clean/hermes-r0.3-he-init', 'gate_blocked_fraction'))} %",
+            "gate: share of wanted prunes refused, clean r_target 0.3, PyTorch's default init",
+            f"{_fmt(col('clean/hermes-r0.3-default-init', 'gate_blocked_fraction'))} %",
             "(info)",
         ),
     ]
@@ -443,13 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "table.md").write_text(md + "\n")
     print(md)
     if args.docs:
-        doc = ROOT / "docs" / "algorithms" / "hermes.md"
-        text = doc.read_text()
-        begin, end = "<!-- hermes-results:begin -->", "<!-- hermes-results:end -->"
-        if begin in text and end in text:
-            head, rest = text.split(begin, 1)
-            tail = rest.split(end, 1)[1]
-            doc.write_text(f"{head}{begin}\n{md}\n{end}{tail}")
+        replace_doc_block(ROOT / "docs" / "algorithms" / "hermes.md", "hermes-results", md)
     return 0
 
 

@@ -35,15 +35,13 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.aggregator.service import Aggregator  # noqa: E402
-from services.client.service import Client  # noqa: E402
+from services.cli import _run_inproc  # noqa: E402
 from services.server.service import Server  # noqa: E402
 from shared.algorithms.base import DeviceContext, TaskSpec, UpdateSpec, load_arrays  # noqa: E402
 from shared.algorithms.spafl import SpaFL, densities  # noqa: E402
 from shared.algorithms.training import evaluate  # noqa: E402
 from shared.config import parse_config  # noqa: E402
 from shared.experiment import Experiment  # noqa: E402
-from shared.transport.inproc import InprocBroker, InprocTransport  # noqa: E402
 
 #: variant label -> algorithm name and options (α filled in per run)
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -101,77 +99,48 @@ def run_one(cfg_dict: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     strategy.train = recording_train  # type: ignore[method-assign]
     spafl_probe = strategy if isinstance(strategy, SpaFL) else _spafl_probe(cfg_dict)
 
-    broker = InprocBroker()
-    server = Server(InprocTransport(broker, run_id), exp, run_dir, experiment_id=run_id)
-    services: list[Any] = [server]
-    for i in range(cfg.processes.aggregators):
-        services.append(
-            Aggregator(
-                InprocTransport(broker, run_id),
-                strategy,
-                experiment_id=run_id,
-                algorithm=cfg.algorithm.name,
-                aggregator_id=f"agg-{i}",
-                prefetch=cfg.processes.prefetch,
-                max_bytes=cfg.processes.max_message_bytes,
-            )
-        )
-    half = (n + 1) // 2
-    for i, devs in enumerate((list(range(half)), list(range(half, n)))):
-        services.append(
-            Client(
-                InprocTransport(broker, run_id),
-                exp,
-                experiment_id=run_id,
-                client_id=f"client-{i}",
-                device_ids=devs,
-                state_dir=state_root,
-            )
-        )
-
     # per-device personalised results, refreshed for the devices that trained
     acc = np.zeros(n)
     dens_p = np.ones(n)
     dens_l = np.ones(n)
 
-    def eval_device(d: int) -> None:
+    def eval_device(d: int, global_arrays: dict[str, np.ndarray]) -> None:
         if isinstance(strategy, SpaFL):
             model = strategy.personal_model(state_root / f"device-{d}")
             dens_p[d], dens_l[d], _ = densities(model)
         else:
             model = exp.model()
-            load_arrays(model, server.state.arrays)
+            load_arrays(model, global_arrays)
         acc[d] = evaluate(model, data[d].x_test, data[d].y_test)["accuracy"] if has_test[d] else 0.0
 
+    initial = strategy.init_state().arrays  # what the server starts from
     for d in range(n):
-        eval_device(d)
+        eval_device(d, initial)
     per_round: list[dict[str, float]] = []
     started = time.time()
-    seen_rows = 0
-    while not server.stopped:
-        for s in services:
-            s.transport.process(0)
-            s.tick()
-            if len(server.rows) > seen_rows:  # a round just finished: evaluate before the next trains
-                seen_rows = len(server.rows)
-                todo = range(n) if not isinstance(strategy, SpaFL) else sorted(trained_this_round)
-                for d in todo:
-                    eval_device(d)
-                trained_this_round.clear()
-                mask = np.array(has_test)
-                weights = np.array([len(dd.y_test) for dd in data], dtype=float)
-                per_round.append(
-                    {
-                        "round": seen_rows,
-                        "acc_mean": float(acc[mask].mean()),
-                        "acc_weighted": float((acc * weights).sum() / weights.sum()),
-                        "density_layer_avg": float(dens_l.mean()),
-                        "density_param": float(dens_p.mean()),
-                        "participants_acc": server.rows[-1]["accuracy"],
-                    }
-                )
-        if broker.pending() == 0:
-            time.sleep(0.0005)
+
+    def after_round(server: Server) -> None:
+        """Evaluate every device whose personalised model changed (all of them for a global model)."""
+        todo = range(n) if not isinstance(strategy, SpaFL) else sorted(trained_this_round)
+        for d in todo:
+            eval_device(d, server.state.arrays)
+        trained_this_round.clear()
+        mask = np.array(has_test)
+        weights = np.array([len(dd.y_test) for dd in data], dtype=float)
+        per_round.append(
+            {
+                "round": len(server.rows),
+                "acc_mean": float(acc[mask].mean()),
+                "acc_weighted": float((acc * weights).sum() / weights.sum()),
+                "density_layer_avg": float(dens_l.mean()),
+                "density_param": float(dens_p.mean()),
+                "participants_acc": server.rows[-1]["accuracy"],
+            }
+        )
+
+    rc = _run_inproc(cfg, run_dir, run_id, exp=exp, on_round=after_round)
+    if rc != 0:
+        raise SystemExit(f"{run_id} failed (rc {rc})")
     best = max(per_round, key=lambda r: r["acc_mean"])
     last = per_round[-10:]
     summary = json.loads((run_dir / "summary.json").read_text())
