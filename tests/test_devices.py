@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -454,6 +455,12 @@ def test_admission_refuses_exactly_the_devices_below_the_footprint() -> None:
     assert f"({task.total} B = params" in no.detail and "exceeds the memory budget" in no.detail
     assert "tier 'tight'" in no.detail
     assert all(a.reason == "" for i, a in decisions.items() if i not in refused)
+    assert "other" not in no.detail  # a zero extra term is not mentioned
+    # a named extra term counts toward the total and is named in the refusal
+    cached = dataclasses.replace(task, other_bytes=4096, other_label="cached prefix outputs")
+    assert cached.total == task.total + 4096 and cached.as_dict()["other_bytes"] == 4096
+    tight = admit(cached, task.total)
+    assert not tight.admitted and "+ cached prefix outputs 4.0 KiB)" in tight.detail
 
 
 def test_embracingfl_capacity_ratios_resnet20(resnet20: nn.Module) -> None:

@@ -442,14 +442,20 @@ class EmbracingFL(Strategy):
         )
         cache = num_samples * split.cut_numel(cut) * 4 if (self.opts.cache_in_memory and cut > 1) else 0
         forward = max((split.forward_peak_bytes(a, b, self.forward_batch) for a, b in chunks), default=0)
-        # The two phases do not overlap: report the larger, keeping the training phase's breakdown and
-        # folding any excess of the forward phase (and the cache) into the activation term.
-        peak = max(train.total, forward) + cache
+        # The two phases do not overlap: the peak is the larger of the two, plus the cache. The
+        # training phase keeps its breakdown; the forward phase's excess and the cache are their own
+        # named term, so a refusal says which of them broke the budget.
+        excess = max(0, forward - train.total)
+        label = " + ".join(
+            what for what, n in (("forward-phase excess", excess), ("cached prefix outputs", cache)) if n
+        )
         fp = TrainingFootprint(
             params_bytes=train.params_bytes,
             grads_bytes=train.grads_bytes,
             optimizer_bytes=train.optimizer_bytes,
-            activations_bytes=peak - train.params_bytes - train.grads_bytes - train.optimizer_bytes,
+            activations_bytes=train.activations_bytes,
+            other_bytes=excess + cache,
+            other_label=label or "other",
         )
         self._fp_cache[key] = fp
         return fp

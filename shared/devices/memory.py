@@ -370,10 +370,22 @@ class TrainingFootprint:
     grads_bytes: int
     optimizer_bytes: int
     activations_bytes: int
+    #: memory that is none of the four (EmbracingFL's cached prefix outputs, the excess of a
+    #: forward-only phase over training): its own term, so an admission message names it instead of
+    #: inflating the activations
+    other_bytes: int = 0
+    #: what ``other_bytes`` is, for the admission message
+    other_label: str = "other"
 
     @property
     def total(self) -> int:
-        return self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
+        return (
+            self.params_bytes
+            + self.grads_bytes
+            + self.optimizer_bytes
+            + self.activations_bytes
+            + self.other_bytes
+        )
 
     def as_dict(self) -> dict[str, int]:
         return {
@@ -381,6 +393,7 @@ class TrainingFootprint:
             "grads_bytes": self.grads_bytes,
             "optimizer_bytes": self.optimizer_bytes,
             "activations_bytes": self.activations_bytes,
+            "other_bytes": self.other_bytes,
             "total": self.total,
         }
 
@@ -425,6 +438,8 @@ def admit(
         f"optimizer {format_bytes(footprint.optimizer_bytes)} + "
         f"activations {format_bytes(footprint.activations_bytes)}"
     )
+    if footprint.other_bytes:
+        parts += f" + {footprint.other_label} {format_bytes(footprint.other_bytes)}"
     who = f" of tier '{tier}'" if tier else ""
     fits = footprint.total <= memory_bytes
     verb = "fits in" if fits else "exceeds"
