@@ -102,9 +102,21 @@ class Experiment:
             source="fleet",
         )
 
+    @cached_property
+    def _test_by_label(self) -> dict[int, np.ndarray]:
+        """Global-test indices per label (for ``dataset.local_test: classes``)."""
+        y = self.dataset.y_test
+        return {int(c): np.flatnonzero(y == c) for c in np.unique(y)}
+
     def device_data(self, device_id: int) -> DeviceData:
         idx = self.partitions[device_id]
         frac = self.cfg.dataset.local_test_fraction
+        if self.cfg.dataset.local_test == "classes":
+            held = np.unique(self.train_y[idx])
+            empty = np.empty(0, dtype=np.int64)
+            te = np.sort(np.concatenate([self._test_by_label.get(int(c), empty) for c in held]))
+            x, y = self.train_x, self.train_y
+            return DeviceData(x[idx], y[idx], self.dataset.x_test[te], self.dataset.y_test[te])
         if frac > 0:
             labels = self.train_y if self.cfg.dataset.local_test_split == "stratified" else None
             seed = derive_seed(self.cfg.seed, "local-split", device_id) % (2**32)

@@ -631,3 +631,28 @@ def test_feature_noise_config_reaches_every_device_and_the_central_test_set(tmp_
     np.testing.assert_array_equal(noisy.dataset.x_test, add_feature_noise(clean.dataset.x_test, 0.5, seed))
     with pytest.raises(ConfigError, match="feature_noise_std"):
         load_config(write_config(tmp_path / "bad.yaml", dataset={**dataset, "feature_noise_std": -0.1}))
+
+
+def test_local_test_classes_gives_each_device_the_global_test_images_of_its_labels(tmp_path: Path) -> None:
+    """``dataset.local_test: classes`` (LotteryFL, Hermes spec §8.1): a device trains on all its own
+    samples and is tested on every global-test sample of exactly the labels it holds; a positive
+    ``local_test_fraction`` beside it is a config error, not silently ignored."""
+    from shared.config import ConfigError, load_config
+    from shared.experiment import Experiment
+    from tests.conftest import write_config
+
+    dataset = {"name": "digits", "partition": "classes", "classes_per_device": 2, "local_test": "classes"}
+    exp = Experiment.build(load_config(write_config(tmp_path / "c.yaml", num_devices=10, dataset=dataset)))
+    y_test = exp.dataset.y_test
+    for dev in range(10):
+        d = exp.device_data(dev)
+        labels = set(np.unique(d.y_train).tolist())
+        assert len(labels) == 2
+        assert len(d.y_train) == len(exp.partitions[dev])  # nothing held out
+        assert set(np.unique(d.y_test).tolist()) == labels
+        assert len(d.y_test) == int(np.isin(y_test, list(labels)).sum())
+        np.testing.assert_array_equal(d.x_test, exp.dataset.x_test[np.isin(y_test, list(labels))])
+    with pytest.raises(ConfigError, match="local_test_fraction"):
+        load_config(write_config(tmp_path / "bad.yaml", dataset={**dataset, "local_test_fraction": 0.2}))
+    with pytest.raises(ConfigError, match="local_test"):
+        load_config(write_config(tmp_path / "bad2.yaml", dataset={**dataset, "local_test": "global"}))
