@@ -53,6 +53,7 @@ class Experiment:
             alpha=d.alpha,
             classes_per_device=d.classes_per_device,
             shards_per_device=d.shards_per_device,
+            min_samples=d.min_samples,
         )
 
     def model(self) -> torch.nn.Module:

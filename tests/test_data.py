@@ -656,3 +656,26 @@ def test_local_test_classes_gives_each_device_the_global_test_images_of_its_labe
         load_config(write_config(tmp_path / "bad.yaml", dataset={**dataset, "local_test_fraction": 0.2}))
     with pytest.raises(ConfigError, match="local_test"):
         load_config(write_config(tmp_path / "bad2.yaml", dataset={**dataset, "local_test": "global"}))
+
+
+def test_min_samples_config_reaches_the_partition(tmp_path: Path) -> None:
+    """``dataset.min_samples`` is what the partition guarantees: a Dirichlet split at tiny α over many
+    devices leaves some with 1-2 samples by default and none under 5 when asked; a bound no split can
+    meet is a clear error, not a silently smaller device."""
+    from shared.config import load_config
+    from shared.experiment import Experiment
+    from tests.conftest import write_config
+
+    dataset = {"name": "digits", "partition": "dirichlet", "alpha": 0.05, "train_limit": 300}
+    free = Experiment.build(load_config(write_config(tmp_path / "a.yaml", num_devices=60, dataset=dataset)))
+    assert min(len(p) for p in free.partitions) < 5
+    five = Experiment.build(
+        load_config(write_config(tmp_path / "b.yaml", num_devices=60, dataset={**dataset, "min_samples": 5}))
+    )
+    sizes = [len(p) for p in five.partitions]
+    assert min(sizes) >= 5 and sum(sizes) == 300
+    bad = Experiment.build(
+        load_config(write_config(tmp_path / "c.yaml", num_devices=60, dataset={**dataset, "min_samples": 6}))
+    )
+    with pytest.raises(ValueError, match="min_samples 6 exceeds the 300 samples"):
+        _ = bad.partitions

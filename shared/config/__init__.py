@@ -33,6 +33,11 @@ class DatasetConfig(_Strict):
     alpha: float = Field(0.5, gt=0)
     classes_per_device: int = Field(2, ge=1)
     shards_per_device: int = Field(2, ge=1)
+    #: every device gets at least this many training samples (``dirichlet`` redraws, then tops up
+    #: the smallest devices from the largest; the other schemes refuse a split that falls short).
+    #: Why configurable: a device with one sample has no batch statistics and no local validation
+    #: split, which EmbracingFL's spec (>= 2) and Hermes' gate need
+    min_samples: int = Field(1, ge=1)
     #: fraction of each device's samples held out for personalised evaluation (0 = none)
     local_test_fraction: float = Field(0.0, ge=0, lt=1)
     #: how that hold-out is drawn: ``random`` (a uniform draw) or ``stratified`` (per label, so the
