@@ -618,6 +618,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
     try:
         options = algorithms.parse_options(cfg.algorithm.name, cfg.algorithm.options)
+        algorithms.check_train(cfg.algorithm.name, cfg.train)
     except ValueError as err:
         console.print(f"[red]{args.config}[/red]: {err}")
         return 2

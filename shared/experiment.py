@@ -70,6 +70,7 @@ class Experiment:
     def strategy(self) -> Strategy:
         cls = algorithms.get(self.cfg.algorithm.name)
         options = algorithms.parse_options(self.cfg.algorithm.name, self.cfg.algorithm.options)
+        algorithms.check_train(self.cfg.algorithm.name, self.cfg.train)
         ctx = StrategyContext(
             model_factory=self.model,
             input_shape=self.dataset.input_shape,

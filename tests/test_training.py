@@ -1,8 +1,11 @@
-"""``local_sgd``'s optional training settings: gradient clipping and dropping a short last batch."""
+"""``local_sgd``'s optional training settings: clipping, dropping a short last batch, local steps."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
@@ -38,3 +41,44 @@ def test_clip_grad_norm_bounds_every_step() -> None:
         moves[clip] = float((after - before).norm())
     assert moves[1.0] <= 0.1 * 1.0 + 1e-6
     assert moves[None] > 10 * moves[1.0]
+
+
+def test_local_steps_runs_exactly_tau_batches_across_reshuffled_passes() -> None:
+    """τ = 7 on 21 samples in batches of 8 (3 per pass: 8, 8, 5) runs 7 steps over three passes;
+    the FLOPs count sees the same batches; ``epochs`` given explicitly still means passes."""
+    from shared.algorithms.training import samples_per_task
+
+    x, y = _data(21)
+    cfg = TrainConfig(batch_size=8, local_steps=7)
+    seen: list[int] = []
+    model = nn.Linear(4, 3)
+    model.register_forward_hook(lambda _m, inp, _o: seen.append(len(inp[0])))
+    out = local_sgd(model, x, y, cfg, seed=0)
+    assert out["steps"] == 7.0 and seen == [8, 8, 5, 8, 8, 5, 8]
+    assert samples_per_task(cfg, 21) == sum(seen) == 50
+    assert samples_per_task(cfg.model_copy(update={"drop_last": True}), 21) == 7 * 8
+    assert samples_per_task(TrainConfig(batch_size=8, local_epochs=3), 21) == 63  # epochs: unchanged
+    assert local_sgd(nn.Linear(4, 3), x, y, cfg, seed=0, epochs=1)["steps"] == 3.0
+    # a device without samples does not loop forever
+    assert local_sgd(nn.Linear(4, 3), x[:0], y[:0], cfg, seed=0)["steps"] == 0.0
+    assert samples_per_task(cfg, 0) == 0
+
+
+def test_local_steps_is_refused_by_algorithms_that_would_ignore_it(tmp_path: Path) -> None:
+    """FedAvg-style algorithms take ``train.local_steps`` (its FLOPs follow the steps); one with its
+    own loop (Hermes) refuses the config with a message naming who takes it."""
+    from shared.config import load_config
+    from shared.experiment import Experiment
+    from tests.conftest import write_config
+
+    train = {"local_steps": 3, "batch_size": 8}
+    ok = Experiment.build(load_config(write_config(tmp_path / "a.yaml", train=train)))
+    strategy = ok.strategy
+    assert strategy.task_flops(strategy.plan(strategy.init_state(), 1, [0])[0], 100) == (
+        strategy.task_flops(strategy.plan(strategy.init_state(), 1, [0])[0], 24)
+    )  # 3 steps of 8 samples, however many samples the device has
+    bad = Experiment.build(
+        load_config(write_config(tmp_path / "b.yaml", train=train, algorithm={"name": "hermes"}))
+    )
+    with pytest.raises(ValueError, match=r"local_steps applies to: .*fedavg.*heterofl"):
+        _ = bad.strategy

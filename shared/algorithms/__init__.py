@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from shared.algorithms.base import Strategy, StrategyContext
+from shared.config import TrainConfig
 
 _INFRA = {"base", "training"}
 
@@ -52,4 +53,14 @@ def parse_options(name: str, options: dict[str, Any], source: str = "algorithm.o
         raise ValueError("\n".join(lines)) from None
 
 
-__all__ = ["REGISTRY", "Strategy", "StrategyContext", "get", "parse_options"]
+def check_train(name: str, train: TrainConfig) -> None:
+    """Refuse training settings the algorithm would silently ignore (``train.local_steps``)."""
+    if train.local_steps is not None and not get(name).supports_local_steps:
+        takes = sorted(n for n, cls in REGISTRY.items() if cls.supports_local_steps)
+        raise ValueError(
+            f"train.local_steps: algorithm {name!r} counts its local work itself and would ignore it; "
+            f"use train.local_epochs (or its own options). local_steps applies to: {', '.join(takes)}"
+        )
+
+
+__all__ = ["REGISTRY", "Strategy", "StrategyContext", "check_train", "get", "parse_options"]

@@ -30,6 +30,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from shared import codec
+from shared.algorithms.training import samples_per_task
 from shared.config import TrainConfig
 from shared.devices import TrainingFootprint, training_flops, training_footprint
 from shared.schemas import DeviceInfo
@@ -150,6 +151,11 @@ class Strategy(ABC):
     Options: ClassVar[type[BaseModel]] = NoOptions
     #: True when devices keep personal models and accuracy is measured on their own test split
     personalised: ClassVar[bool] = False
+    #: True when the client half trains through ``training.local_sgd`` with the task's length left to
+    #: the config and counts FLOPs with ``samples_per_task``, so ``train.local_steps`` means what it
+    #: says. Algorithms with their own loop or their own notion of local work keep False, and a config
+    #: with ``local_steps`` for them is refused (``algorithms.check_train``) rather than ignored.
+    supports_local_steps: ClassVar[bool] = False
 
     def __init__(self, ctx: StrategyContext) -> None:
         self.ctx = ctx
@@ -271,10 +277,11 @@ class Strategy(ABC):
     def task_flops(self, task: TaskSpec, num_samples: int) -> int:
         """Training FLOPs of the task on ``num_samples`` local samples (forward + backward, all epochs).
 
-        FLOPs are linear in the batch size, so per-sample FLOPs × samples × epochs is exact even when
-        the last batch is short. Masked algorithms override this to count only kept weights.
+        FLOPs are linear in the batch size, so per-sample FLOPs × the samples the task processes
+        (``samples_per_task``: samples × epochs, or the τ steps' batches) is exact even when the last
+        batch is short. Masked algorithms override this to count only kept weights.
         """
-        return self._accounting(task)[1] * num_samples * self.ctx.train.local_epochs
+        return self._accounting(task)[1] * samples_per_task(self.ctx.train, num_samples)
 
 
 def model_arrays(model: torch.nn.Module) -> dict[str, np.ndarray]:

@@ -28,6 +28,7 @@ from shared.algorithms.training import evaluate, local_sgd
 
 class FedAvg(Strategy):
     name = "fedavg"
+    supports_local_steps = True
 
     # -- server half -------------------------------------------------------------------------------
     def init_state(self) -> ServerState:

@@ -90,6 +90,8 @@ class WidthSliceStrategy(Strategy):
     sends_indices: ClassVar[bool] = False
     #: FedDSE downloads the whole model (used by the paper-style byte count)
     downloads_full: ClassVar[bool] = False
+    #: every member trains its sub-model through ``local_sgd`` (FjORD with a per-step hook)
+    supports_local_steps = True
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)

@@ -14,10 +14,11 @@ side; LG-FedAvg keeps the input side personal). Blocks are the cut-safe units of
   whole model to a device's first task (its starting representation) and to everyone during the
   ``warmup_rounds`` of phase 1; ``finalize`` averages each uploaded tensor over its uploaders
   (sample-weighted, as FedAvg, by default).
-* **client** — ``train``: local representation (``state_dir``) + downloaded head, ``train.local_epochs``
-  of SGD on the whole model, representation saved back, head uploaded; accuracy on the device's own test
-  split before (``eval_accuracy_before``: stored representation + downloaded head) and after local
-  training (``eval_accuracy``, the model the device holds).
+* **client** — ``train``: local representation (``state_dir``) + downloaded head,
+  ``train.local_epochs`` (or ``train.local_steps``) of SGD on the whole model, representation saved
+  back, head uploaded; accuracy on the device's own test split before (``eval_accuracy_before``:
+  stored representation + downloaded head) and after local training (``eval_accuracy``, the model
+  the device holds).
 * **all-device evaluation** — ``plan_evaluation`` sends the final head; ``evaluate_device`` scores the
   device's representation with it (the paper's LG-FedAvg test model).
 """
@@ -73,6 +74,7 @@ def _save(path: Path, arrays: dict[str, np.ndarray]) -> None:
 
 class LGFedAvg(Strategy):
     name = "lgfedavg"
+    supports_local_steps = True
     Options = LGFedAvgOptions
     personalised = True
 

@@ -7,7 +7,7 @@ through the arguments, so the loop (seeded shuffling, batching, the optimizer) e
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -32,7 +32,11 @@ def local_sgd(
     after_step: Callable[[nn.Module], None] | None = None,
     epochs: int | None = None,
 ) -> dict[str, float]:
-    """Run SGD over the local data; returns the mean training loss and the number of steps."""
+    """Run SGD over the local data; returns the mean training loss and the number of steps.
+
+    The length is ``epochs`` passes when given, else ``train.local_steps`` steps when set (passes
+    over reshuffled data until that many steps are done), else ``train.local_epochs`` passes.
+    """
     model.train()
     trainable = list(params) if params is not None else [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(trainable, lr=train.lr, momentum=train.momentum, weight_decay=train.weight_decay)
@@ -42,22 +46,61 @@ def local_sgd(
     n = len(yt)
     losses: list[float] = []
     loss_fn = nn.CrossEntropyLoss()
-    for _ in range(epochs if epochs is not None else train.local_epochs):
-        order = torch.from_numpy(rng.permutation(n))
-        stop = n - n % train.batch_size if train.drop_last and n > train.batch_size else n
-        for start in range(0, stop, train.batch_size):
-            idx = order[start : start + train.batch_size]
-            opt.zero_grad(set_to_none=True)
-            loss = loss_fn(model(xt[idx]), yt[idx])
-            total = loss + penalty(model) if penalty is not None else loss
-            total.backward()
-            if train.clip_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(trainable, train.clip_grad_norm)
-            opt.step()
-            if after_step is not None:
-                after_step(model)
-            losses.append(float(loss.detach()))
+    steps = train.local_steps if epochs is None else None
+    passes = epochs if epochs is not None else train.local_epochs
+    for idx in _minibatches(rng, n, train, passes, steps):
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model(xt[idx]), yt[idx])
+        total = loss + penalty(model) if penalty is not None else loss
+        total.backward()
+        if train.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(trainable, train.clip_grad_norm)
+        opt.step()
+        if after_step is not None:
+            after_step(model)
+        losses.append(float(loss.detach()))
     return {"train_loss": float(np.mean(losses)) if losses else 0.0, "steps": float(len(losses))}
+
+
+def _minibatches(
+    rng: np.random.Generator, n: int, train: TrainConfig, passes: int, steps: int | None
+) -> Iterator[torch.Tensor]:
+    """The minibatch index tensors of one task: ``passes`` reshuffled passes, or with ``steps`` set,
+    passes until exactly that many batches (a short last batch dropped when ``train.drop_last``)."""
+    b = train.batch_size
+    stop = n - n % b if train.drop_last and n > b else n
+    if steps is None:
+        for _ in range(passes):
+            order = torch.from_numpy(rng.permutation(n))
+            for start in range(0, stop, b):
+                yield order[start : start + b]
+        return
+    done = 0
+    while stop > 0:
+        order = torch.from_numpy(rng.permutation(n))
+        for start in range(0, stop, b):
+            if done == steps:
+                return
+            yield order[start : start + b]
+            done += 1
+
+
+def samples_per_task(train: TrainConfig, num_samples: int) -> int:
+    """How many samples one task's training processes (forward + backward) on ``num_samples``.
+
+    ``local_epochs × num_samples``, as every FLOPs count assumed before ``local_steps`` existed (a
+    dropped last batch is not subtracted); with ``local_steps`` the exact sum of the τ batches'
+    sizes, the same batches :func:`local_sgd` runs.
+    """
+    if train.local_steps is None:
+        return num_samples * train.local_epochs
+    b = train.batch_size
+    stop = num_samples - num_samples % b if train.drop_last and num_samples > b else num_samples
+    if stop <= 0:
+        return 0
+    batches = [min(b, stop - start) for start in range(0, stop, b)]
+    full, rest = divmod(train.local_steps, len(batches))
+    return full * stop + sum(batches[:rest])
 
 
 @torch.no_grad()

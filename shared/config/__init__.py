@@ -87,6 +87,13 @@ class AlgorithmConfig(_Strict):
 
 class TrainConfig(_Strict):
     local_epochs: int = Field(1, ge=1)
+    #: τ: exactly this many minibatch steps per task instead of ``local_epochs`` passes (None =
+    #: epochs). The data is reshuffled at each pass boundary, so τ may be more or less than one pass.
+    #: Why: papers that fix the local work in steps (EmbracingFL's τ, FedMef's step budget) compare
+    #: algorithms at equal steps, and with unequal local data sizes epochs are not steps. Only the
+    #: algorithms that train through the shared loop take it (``Strategy.supports_local_steps``);
+    #: any other refuses the config rather than ignore the key.
+    local_steps: int | None = Field(None, ge=1)
     batch_size: int = Field(32, ge=1)
     lr: float = Field(0.05, gt=0)
     momentum: float = Field(0.0, ge=0, lt=1)
