@@ -631,6 +631,18 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_reference(args: argparse.Namespace) -> int:
+    from shared.config.reference import config_reference
+
+    text = config_reference()
+    if args.out:
+        args.out.write_text(text)
+        console.print(f"wrote {args.out}")
+    else:
+        print(text, end="")
+    return 0
+
+
 # -- argument parsing ------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fedfleet", description=__doc__.splitlines()[0] if __doc__ else None)
@@ -692,6 +704,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the config as YAML with every default filled in (algorithm options included)",
     )
     val.set_defaults(fn=cmd_validate)
+
+    ref = sub.add_parser("reference", help="print every config key and algorithm option (Markdown)")
+    ref.add_argument("--out", type=Path, help="write to this file instead (docs/configuration.md)")
+    ref.set_defaults(fn=cmd_reference)
     return p
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
 
 from shared.config import ConfigError, load_config
 
@@ -104,3 +105,53 @@ def test_validate_resolved_prints_every_default_and_round_trips(
     assert parse_options("hermes", a.algorithm.options) == parse_options("hermes", b.algorithm.options)
     bad = write_config(tmp_path / "bad.yaml", algorithm={"name": "hermes", "options": {"r_targt": 0.5}})
     assert main(["validate", str(bad), "--resolved"]) == 2
+
+
+def test_configuration_reference_is_current_and_documents_every_key() -> None:
+    """``docs/configuration.md`` is what ``fedfleet reference`` prints now (regenerate it with
+    ``.venv/bin/fedfleet reference --out docs/configuration.md``), and every config key and every
+    algorithm option has a ``#:`` comment, so no row of the page has an empty meaning."""
+    from shared import algorithms
+    from shared.config import ExperimentConfig
+    from shared.config.reference import SECTIONS, config_reference, field_comments
+
+    assert (ROOT / "docs/configuration.md").read_text() == config_reference(), (
+        "docs/configuration.md is stale: run .venv/bin/fedfleet reference --out docs/configuration.md"
+    )
+    models: list[tuple[str, type[BaseModel]]] = [("top level", ExperimentConfig), *SECTIONS]
+    models += [(f"algorithm {n}", cls.Options) for n, cls in algorithms.REGISTRY.items()]
+    undocumented = [
+        f"{where}: {name}"
+        for where, model in models
+        for name, info in model.model_fields.items()
+        if name not in field_comments(model)
+        and not (isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel))
+    ]
+    assert not undocumented, undocumented
+
+
+def test_reference_rows_carry_type_default_bounds_and_comment() -> None:
+    """One row read back: a Literal lists its values, a required key says so, bounds are shown, and
+    an inherited option takes its comment from the class that defines it."""
+    from typing import Literal
+
+    from pydantic import Field
+
+    from shared.config.reference import field_comments, model_table
+    from shared.models.width_slice import WidthOptions
+
+    class Base(BaseModel):
+        #: how many
+        #: (two lines)
+        count: int = Field(3, ge=1, lt=10)
+        mode: Literal["a", "b"] = "a"
+
+    class Child(Base):
+        #: must be given
+        need: float
+
+    rows = model_table(Child, "x.")
+    assert rows[2] == "| `x.count` | int | `3` | ≥ 1, < 10 | how many (two lines) |"
+    assert rows[3] == "| `x.mode` | `a` \\| `b` | `a` |  |  |"
+    assert rows[4] == "| `x.need` | float | **required** |  | must be given |"
+    assert field_comments(WidthOptions)["rounding"].startswith("``k = max(1, floor(r·m))``")

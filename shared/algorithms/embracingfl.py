@@ -94,15 +94,19 @@ class EmbracingFLOptions(BaseModel):
     #: tier name -> client type (``tier`` mode, and ``budget`` mode for devices without a budget);
     #: tiers not listed are strong
     tier_types: dict[str, ClientType] = Field(default_factory=lambda: dict(DEFAULT_TIER_TYPES))
-    #: ``mix`` mode: shares of the three types (must sum to 1)
+    #: ``mix`` mode: share of strong devices (the three shares must sum to 1)
     strong_fraction: float = Field(0.25, ge=0, le=1)
+    #: ``mix`` mode: share of moderate devices
     moderate_fraction: float = Field(0.25, ge=0, le=1)
+    #: ``mix`` mode: share of weak devices
     weak_fraction: float = Field(0.5, ge=0, le=1)
-    #: trainable output-side blocks of a moderate / weak device (None: from the capacity below)
+    #: trainable output-side blocks of a moderate device (None: from ``moderate_capacity``)
     moderate_blocks: int | None = Field(None, ge=1)
+    #: trainable output-side blocks of a weak device (None: from ``weak_capacity``)
     weak_blocks: int | None = Field(None, ge=1)
-    #: paper-rule capacity (§3.2) a moderate / weak device may use when the blocks are not given
+    #: paper-rule capacity (§3.2) a moderate device may use when its blocks are not given
     moderate_capacity: float = Field(0.40, gt=0, le=1)
+    #: paper-rule capacity (§3.2) a weak device may use when its blocks are not given
     weak_capacity: float = Field(0.15, gt=0, le=1)
     #: τ: local SGD steps per round on the (cached) data; None = ``train.local_epochs`` passes instead
     local_steps: int | None = Field(10, ge=1)

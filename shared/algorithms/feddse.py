@@ -45,9 +45,14 @@ from shared.models.width_slice import Counts, Selection, WidthOptions, any_to_de
 
 
 class FedDSEOptions(WidthOptions):
+    #: T of the unit selection: 0 = the k highest-scoring units (Table 1), > 0 = k draws without
+    #: replacement from softmax(scores / T)
     temperature: float = Field(0.0, ge=0)
+    #: ``softmax`` (the paper: p ∝ exp(s/T)) or ``proportional`` (the authors' code: p ∝ |s|, T unused)
     selection: Literal["softmax", "proportional"] = "softmax"
+    #: z-score the scores per layer before dividing by T (a scale-free T, spec §9.1)
     standardize_scores: bool = False
+    #: score on a random subset of this many local samples (None = all of them, Table 3)
     inference_size: int | None = Field(None, ge=1)
 
 

@@ -29,7 +29,10 @@ from shared.models.width_slice import Counts, Selection, WidthOptions
 
 
 class FedRolexOptions(WidthOptions):
+    #: ``round``: one window offset per round for all devices (the FedRolex code); ``client``: the
+    #: offset advances per device served, (t-1)·K + its position (the FedDSE authors' re-implementation)
     roll: Literal["round", "client"] = "round"
+    #: units the window moves per step (1 in both codes)
     roll_step: int = Field(1, ge=1)
 
 

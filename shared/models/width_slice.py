@@ -382,13 +382,24 @@ class WidthOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    #: how a device's width ratio r is chosen each round: ``paper`` (a level drawn with
+    #: ``level_probs``, then the paper's ±1/16 fluctuation), ``levels`` (drawn, no fluctuation),
+    #: ``fixed`` (``fixed_rate`` for all), ``budget`` (the largest ``budget_grid`` rate whose
+    #: training footprint fits the device's memory)
     capacity: Literal["paper", "levels", "fixed", "budget"] = "paper"
+    #: the width ratios ``paper`` / ``levels`` draw from
     levels: tuple[float, ...] = (1.0, 0.5, 0.25, 0.125, 0.0625)
     #: probabilities of ``levels`` (None = uniform, the paper's 1/5 each)
     level_probs: tuple[float, ...] | None = None
+    #: every device's ratio under ``fixed``, and the fallback of ``budget`` for devices without a
+    #: memory profile and without a ``tier_rates`` entry
     fixed_rate: float = Field(1.0, gt=0, le=1)
+    #: ``budget`` mode: tier name -> ratio, for devices without a memory profile
     tier_rates: dict[str, float] = Field(default_factory=dict)
+    #: the ratios ``budget`` mode chooses from (default: 1/16 … 16/16)
     budget_grid: tuple[float, ...] = tuple(k / 16 for k in range(1, 17))
+    #: sampled modes: never give a device more width than its memory admits, so a drawn rate is
+    #: not refused at admission on a memory-limited fleet
     cap_by_budget: bool = True
     #: ``k = max(1, floor(r·m))`` (FedDSE code) or ``ceil`` (HeteroFL/FedRolex code)
     rounding: Literal["floor", "ceil"] = "floor"
