@@ -25,8 +25,17 @@ from services.aggregator.service import Aggregator
 from services.client.service import Client
 from services.server.service import Server
 from shared import codec
-from shared.algorithms.base import DeviceContext, DeviceData, Partial, ServerState, UpdateSpec, derive_seed
+from shared.algorithms.base import (
+    DeviceContext,
+    DeviceData,
+    Partial,
+    ServerState,
+    UpdateSpec,
+    derive_seed,
+    model_arrays,
+)
 from shared.algorithms.hermes import Hermes, read_device_logs
+from shared.algorithms.training import local_sgd
 from shared.config import load_config
 from shared.devices import forward_flops
 from shared.experiment import Experiment
@@ -445,6 +454,48 @@ def test_standalone_trains_locally_sends_no_weights_and_replays_identically(tmp_
     for _ in range(2):
         again = strat.train(strat.plan(strat.init_state(), 4, [0])[0], ctx).metrics
         assert again == {k: v for k, v in logs[0][-1].items() if k not in ("round", "device")}
+
+
+def test_standalone_val_fraction_trains_on_exactly_hermes_training_samples(tmp_path: Path) -> None:
+    """With ``val_fraction`` Standalone leaves out the validation split Hermes holds for its gate (the
+    same draw), so the two train on the same samples; the model it trains is the one ``local_sgd``
+    gives on Hermes' split, and differs from training on all samples."""
+    from shared.algorithms.hermes import local_data
+
+    dataset = {"name": "digits", "partition": "classes", "train_limit": 200, "local_test_fraction": 0.3}
+    train = {"local_epochs": 1, "batch_size": 8, "lr": 0.05}
+
+    def standalone(name: str, options: dict[str, Any]) -> tuple[Any, Experiment]:
+        cfg = load_config(
+            write_config(
+                tmp_path / f"{name}.yaml",
+                num_devices=4,
+                devices_per_round=4,
+                dataset=dataset,
+                algorithm={"name": "standalone", "options": options},
+                train=train,
+            )
+        )
+        exp = Experiment.build(cfg)
+        return exp.strategy, exp
+
+    held, exp = standalone("held", {"val_fraction": 0.2})
+    full, _ = standalone("full", {})
+    data = exp.device_data(1)
+    split = local_data(data, device_id=1, experiment_seed=exp.cfg.seed, val_fraction=0.2)
+    assert len(split.y_val) > 0 and len(split.y_train) + len(split.y_val) == len(data.y_train)
+    ups = []
+    for name, strat in (("held", held), ("full", full)):
+        ctx = DeviceContext(1, 1, data, tmp_path / name / "device-1", seed=5)
+        ups.append(strat.train(strat.plan(strat.init_state(), 1, [1])[1], ctx))
+    assert ups[0].num_samples == len(split.y_train) and ups[1].num_samples == len(data.y_train)
+    with np.load(tmp_path / "held" / "device-1" / "standalone-1.npz") as z:
+        trained = {k.removeprefix("w/"): z[k] for k in z.files if k.startswith("w/")}
+    reference = exp.model()
+    local_sgd(reference, split.x_train, split.y_train, exp.cfg.train, 5, epochs=1)
+    for k, v in model_arrays(reference).items():
+        np.testing.assert_array_equal(trained[k], v)
+    assert ups[0].metrics["train_loss"] != ups[1].metrics["train_loss"]
 
 
 def test_evaluate_device_reports_the_local_and_the_download_time_model(tmp_path: Path) -> None:

@@ -37,7 +37,7 @@ from shared.algorithms.base import (
     load_arrays,
     model_arrays,
 )
-from shared.algorithms.hermes import append_device_log, atomic_savez
+from shared.algorithms.hermes import append_device_log, atomic_savez, local_data
 from shared.algorithms.training import evaluate, local_sgd
 
 _STATE = re.compile(r"^standalone-(\d+)\.npz$")
@@ -50,6 +50,10 @@ class StandaloneOptions(BaseModel):
     epochs_per_round: int | None = Field(None, ge=1)
     #: total local epochs a device trains over the whole run (None = no limit)
     max_epochs: int | None = Field(None, ge=1)
+    #: leave out the stratified validation split Hermes holds out for its gate (same fraction, same
+    #: draw), so Standalone trains on exactly Hermes' training samples, as in the Hermes spec's
+    #: prototype. 0 = train on all local samples (favours Standalone by the validation share)
+    val_fraction: float = Field(0.0, ge=0.0, lt=1.0)
 
 
 class Standalone(Strategy):
@@ -89,15 +93,21 @@ class Standalone(Strategy):
             with np.load(earlier[-1][1], allow_pickle=False) as z:
                 load_arrays(model, {k.removeprefix("w/"): z[k] for k in z.files if k.startswith("w/")})
                 epochs_done = int(z["epochs_done"][0])
-        x_train, x_test = device.data.x_train, device.data.x_test
+        x_train, y_train, x_test = device.data.x_train, device.data.y_train, device.data.x_test
+        if opts.val_fraction > 0:
+            split = local_data(
+                device.data,
+                device_id=device.device_id,
+                experiment_seed=self.ctx.seed,
+                val_fraction=opts.val_fraction,
+            )
+            x_train, y_train = split.x_train, split.y_train
         epochs = opts.epochs_per_round or self.ctx.train.local_epochs
         if opts.max_epochs is not None:
             epochs = max(0, min(epochs, opts.max_epochs - epochs_done))
         metrics: dict[str, float] = {"train_loss": 0.0, "steps": 0.0}
         if epochs > 0:
-            metrics = local_sgd(
-                model, x_train, device.data.y_train, self.ctx.train, device.seed, epochs=epochs
-            )
+            metrics = local_sgd(model, x_train, y_train, self.ctx.train, device.seed, epochs=epochs)
         ev = evaluate(model, x_test, device.data.y_test)
         arrays = {f"w/{k}": v for k, v in model_arrays(model).items()}
         arrays["epochs_done"] = np.array([epochs_done + epochs], dtype=np.int64)
@@ -114,7 +124,7 @@ class Standalone(Strategy):
             }
         )
         append_device_log(device.state_dir, {"round": device.round, "device": device.device_id, **metrics})
-        return UpdateSpec({}, num_samples=len(device.data.y_train), metrics=metrics)
+        return UpdateSpec({}, num_samples=len(y_train), metrics=metrics)
 
     # -- aggregation half: count the updates, nothing else -------------------------------------------
     def validate_update(self, update: UpdateSpec) -> None:
