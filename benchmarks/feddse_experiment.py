@@ -267,6 +267,17 @@ def table(results: dict[str, list[dict[str, Any]]], c8: list[dict[str, float]], 
     lines += ["", "**rho sweep (levels {1/2, 1/16}, rho = share of 1/2; FedDSE T = 0, L = 2)**", ""]
     lines += ["| rho | " + " | ".join(f"{r:.1f}" for r in RHOS) + " |", "|---" * (len(RHOS) + 1) + "|"]
     lines.append("| acc5 | " + " | ".join(_fmt(col(f"rho/{r:.1f}")) for r in RHOS) + " |")
+
+    def diagnostic_rows(prefix: str) -> list[str]:
+        """One row per run label starting with ``prefix``: acc5, final accuracy, neuron coverage."""
+        rows = []
+        for lab in (k for k in RUNS if k.startswith(prefix)):
+            cov = _fmt(col(lab, "coverage20"), 1.0, 3) if "coverage20" in results[lab][0] else ""
+            rows.append(
+                f"| {lab.removeprefix(prefix)} | {_fmt(col(lab))} | {_fmt(col(lab, 'accuracy'))} | {cov} |"
+            )
+        return rows
+
     lines += [
         "",
         "**Diagnostic: `fan_in_scaling: true` (×m/k on layers with cut inputs while training), 50 rounds**",
@@ -278,11 +289,7 @@ def table(results: dict[str, list[dict[str, Any]]], c8: list[dict[str, float]], 
         "| run | acc5 | final | neuron coverage, last 20 rounds |",
         "|---|---|---|---|",
     ]
-    for lab in (k for k in RUNS if k.startswith("scaled-")):
-        cov = _fmt(col(lab, "coverage20"), 1.0, 3) if "coverage20" in results[lab][0] else ""
-        lines.append(
-            f"| {lab.removeprefix('scaled-')} | {_fmt(col(lab))} | {_fmt(col(lab, 'accuracy'))} | {cov} |"
-        )
+    lines += diagnostic_rows("scaled-")
     lines += [
         "",
         "**Diagnostic: the paper's model family, `cnn_feddse` (conv + Scaler + static BN), channels "
@@ -291,11 +298,7 @@ def table(results: dict[str, list[dict[str, Any]]], c8: list[dict[str, float]], 
         "| run | acc5 | final | neuron coverage, last 20 rounds |",
         "|---|---|---|---|",
     ]
-    for lab in (k for k in RUNS if k.startswith("cnn-")):
-        cov = _fmt(col(lab, "coverage20"), 1.0, 3) if "coverage20" in results[lab][0] else ""
-        lines.append(
-            f"| {lab.removeprefix('cnn-')} | {_fmt(col(lab))} | {_fmt(col(lab, 'accuracy'))} | {cov} |"
-        )
+    lines += diagnostic_rows("cnn-")
     lines += [
         "",
         f"**Diagnostic: {LONG} rounds instead of 50 (same settings otherwise)**",
@@ -303,11 +306,7 @@ def table(results: dict[str, list[dict[str, Any]]], c8: list[dict[str, float]], 
         "| run | acc5 | final | neuron coverage, last 20 rounds |",
         "|---|---|---|---|",
     ]
-    for lab in (k for k in RUNS if k.startswith("long-")):
-        cov = _fmt(col(lab, "coverage20"), 1.0, 3) if "coverage20" in results[lab][0] else ""
-        lines.append(
-            f"| {lab.removeprefix('long-')} | {_fmt(col(lab))} | {_fmt(col(lab, 'accuracy'))} | {cov} |"
-        )
+    lines += diagnostic_rows("long-")
 
     # -- verdicts -------------------------------------------------------------------------------------
     def diff(a: str, b: str) -> list[float]:
