@@ -73,6 +73,10 @@ RUNS: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
     "ablation/fedmef-no-actprune": ("ablation", "fedmef", {"activation_sparsity": 0.0}, {}),
     # the spec's γ = 1 against the experiments' √2 (docs/algorithms/fedmef.md, interpretation 1)
     "ablation/fedmef-gamma1": ("ablation", "fedmef", {"gamma": 1.0}, {}),
+    # diagnostic: η_0 for the NSConv model itself (the spec tunes η_0 once, on the dense BN model);
+    # does a rate of its own close FedMef's accuracy gap to FedTiny (check 2)?
+    "ablation/fedmef-lr0.1": ("ablation", "fedmef", {}, {"lr": 0.1}),
+    "ablation/fedmef-lr0.6": ("ablation", "fedmef", {}, {"lr": 0.6}),
 }
 GROUPS = ("tune", "main", "ablation", "delta_r")
 
