@@ -94,7 +94,7 @@ def test_amqp_run_equals_inproc_and_counts_every_published_byte(cluster: Any, tm
     """Over RabbitMQ with separate processes: the same global model as in-process (the transport
     changes timing only), and the counters in /metrics equal the body bytes a spy queue received for
     the same routing keys, and the bytes in summary.json."""
-    config = write_config(tmp_path / "c.yaml", rounds=3)
+    config = write_config(tmp_path / "c.yaml", rounds=3, round_timeout_s=180)
     c = cluster(config)
     c.env["FEDFLEET_LINGER_S"] = "120"  # keep /metrics up after the run so we can read final counts
     spy = AmqpTransport(c.url, c.exp)
@@ -197,7 +197,12 @@ class InjectingClient(Client):
 
 
 def test_bad_input_is_dead_lettered_and_changes_nothing(cluster: Any, tmp_path: Path) -> None:
-    overrides = {"rounds": 3, "devices_per_round": 8, "processes": {"max_message_bytes": 200_000}}
+    overrides = {
+        "rounds": 3,
+        "devices_per_round": 8,
+        "round_timeout_s": 180,
+        "processes": {"max_message_bytes": 200_000},
+    }
     config = write_config(tmp_path / "c.yaml", **overrides)
     c = cluster(config)
     server = c.server()
@@ -274,15 +279,29 @@ def test_sigkill_client_mid_round_closes_at_deadline(cluster: Any, tmp_path: Pat
 
 def test_sigkill_aggregator_mid_round_counts_each_update_once(cluster: Any, tmp_path: Path) -> None:
     # long local training (15 epochs) makes round 1 last long enough to freeze the server in it
+    # round_timeout_s: the rounds must close on their updates, never on the wall-clock deadline
+    # (the server is frozen for a while, and a first torch backward can take seconds under load)
     config = write_config(
         tmp_path / "c.yaml",
         rounds=2,
         devices_per_round=8,
+        round_timeout_s=180,
         train={"local_epochs": 15, "batch_size": 16, "lr": 0.1},
     )
     c = cluster(config)
-    server = _standard(c)
-    agg0 = next(p for p in c.procs if p.name == "agg-0")
+    server = c.server()
+    agg0_port = _free_port(0)
+    agg0 = c._start_with_port("agg-0", ["aggregator", "--id", "agg-0"], agg0_port)
+    c.aggregator("agg-1")
+    c.client("c0", "0-3")
+    c.client("c1", "4-7")
+
+    def agg0_reduced() -> float:
+        try:
+            return _sum(_scrape(agg0_port), "fedfleet_updates_total", result="reduced")
+        except OSError:  # not serving yet
+            return 0.0
+
     wait_for(lambda: '"round_open"' in server.text(), RUN_TIMEOUT, "round 1 to open", interval=0.005)
     # Freeze the server so no partial of round 1 can be accepted: the aggregators reduce updates
     # and hold their acks. Then kill one; its held updates must be redelivered to the other.
@@ -292,7 +311,10 @@ def test_sigkill_aggregator_mid_round_counts_each_update_once(cluster: Any, tmp_
         pytest.fail("round 1 finished before the server could be frozen; lengthen local training")
     except AssertionError:
         pass
-    time.sleep(6)  # the clients train and publish; the aggregators reduce and hold
+    # the clients train and publish; the aggregators reduce and hold their acks. Kill agg-0 once it
+    # holds at least one update (bounded well below the broker's heartbeat timeout for the frozen
+    # server's connection), rather than after a fixed sleep that a slow first backward outlasts.
+    wait_for(lambda: agg0_reduced() >= 1, 40, "agg-0 to reduce an update", interval=0.2)
     agg0.kill()
     server.p.send_signal(signal.SIGCONT)
     _finish(server)
