@@ -290,15 +290,16 @@ def test_sigkill_aggregator_mid_round_counts_each_update_once(cluster: Any, tmp_
     )
     c = cluster(config)
     server = c.server()
-    agg0_port = _free_port(0)
-    agg0 = c._start_with_port("agg-0", ["aggregator", "--id", "agg-0"], agg0_port)
-    c.aggregator("agg-1")
+    ports = {name: _free_port(0) for name in ("agg-0", "agg-1")}
+    aggs = {
+        name: c._start_with_port(name, ["aggregator", "--id", name], port) for name, port in ports.items()
+    }
     c.client("c0", "0-3")
     c.client("c1", "4-7")
 
-    def agg0_reduced() -> float:
+    def reduced(name: str) -> float:
         try:
-            return _sum(_scrape(agg0_port), "fedfleet_updates_total", result="reduced")
+            return _sum(_scrape(ports[name]), "fedfleet_updates_total", result="reduced")
         except OSError:  # not serving yet
             return 0.0
 
@@ -311,14 +312,19 @@ def test_sigkill_aggregator_mid_round_counts_each_update_once(cluster: Any, tmp_
         pytest.fail("round 1 finished before the server could be frozen; lengthen local training")
     except AssertionError:
         pass
-    # the clients train and publish; the aggregators reduce and hold their acks. Kill agg-0 once it
-    # holds at least one update (bounded well below the broker's heartbeat timeout for the frozen
-    # server's connection), rather than after a fixed sleep that a slow first backward outlasts.
-    wait_for(lambda: agg0_reduced() >= 1, 40, "agg-0 to reduce an update", interval=0.2)
-    agg0.kill()
+    # The clients train and publish; the aggregators reduce and hold their acks. Which aggregator
+    # gets the updates is the broker's choice (one may get none: an update that arrives before
+    # its round_open is requeued and can land on the other), so the victim is the one that holds
+    # updates once some are reduced -- waited for, bounded well below the broker's heartbeat
+    # timeout for the frozen server's connection, not a fixed sleep a slow first backward outlasts.
+    wait_for(lambda: max(map(reduced, ports)) >= 1, 40, "an aggregator to reduce an update", interval=0.2)
+    time.sleep(1.0)  # let the rest of the round's updates spread over both
+    held = {name: reduced(name) for name in ports}
+    victim_name = max(held, key=lambda n: held[n])
+    aggs[victim_name].kill()
     server.p.send_signal(signal.SIGCONT)
     _finish(server)
-    survivor = next(p for p in c.procs if p.name == "agg-1")
+    survivor = next(p for name, p in aggs.items() if name != victim_name)
     # The killed aggregator's unacked updates come back to the survivor. Either they arrive while
     # round 1 is still open (sent on as singletons the server must not count twice if the dead
     # aggregator's partial already got through) or, when that partial closed the round first,

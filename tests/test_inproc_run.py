@@ -161,6 +161,54 @@ def test_aggregator_crash_counts_every_update_once(tmp_path: Path) -> None:
     assert [r["participants"] for r in faulty.rows] == [r["participants"] for r in clean.rows]
 
 
+def test_aggregator_started_after_the_round_opened_joins_it(tmp_path: Path, monkeypatch: Any) -> None:
+    """An aggregator that starts after a round opened (late start, scale-up, restart) learns the
+    round from the server's repeated ``round_open``: when the only other aggregator then crashes
+    holding updates, the newcomer aggregates their redeliveries and every update still counts once.
+    (Without the repeat it could only requeue them until the flush deadline dropped them.)"""
+    import services.server.service as server_service
+
+    monkeypatch.setattr(server_service, "ROUND_OPEN_REPEAT_S", 0.0)  # repeat on every tick
+    cfg = write_config(tmp_path / "c.yaml", rounds=2)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    _, clean, services = _inproc_services(cfg, tmp_path / "a", "clean")
+    _drive(services, clean)
+
+    broker, faulty, services = _inproc_services(cfg, tmp_path / "b", "late")
+    second = services[2]
+    second.transport.close()  # start with one aggregator only
+    services.remove(second)
+    holder = services[1]
+    exp = Experiment.build(load_config(cfg))
+    events: list[str] = []
+
+    def late_start_then_crash() -> None:
+        if not events and faulty.round == 1 and faulty.phase == "open":
+            late = Aggregator(
+                InprocTransport(broker, "late"),
+                exp.strategy,
+                experiment_id="late",
+                algorithm="fedavg",
+                aggregator_id="agg-late",
+                prefetch=exp.cfg.processes.prefetch,
+                max_bytes=1 << 24,
+            )
+            services.append(late)
+            events.append("late")
+        held = len(holder.batch.deliveries) + sum(len(b.deliveries) for b in holder.pending.values())
+        if events == ["late"] and held >= 1:
+            holder.transport.close()
+            services.remove(holder)
+            events.append("crash")
+
+    _drive(services, faulty, late_start_then_crash)
+    assert events == ["late", "crash"], events
+    for name, arr in clean.state.arrays.items():
+        np.testing.assert_allclose(faulty.state.arrays[name], arr, atol=1e-6, rtol=0)
+    assert [r["participants"] for r in faulty.rows] == [r["participants"] for r in clean.rows]
+
+
 def test_doc_block_is_replaced_between_markers_and_missing_markers_fail(tmp_path: Path) -> None:
     from shared.results import replace_doc_block
 

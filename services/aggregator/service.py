@@ -85,6 +85,9 @@ class Aggregator(ServiceBase):
 
     # -- control ---------------------------------------------------------------------------------
     def on_round_open(self, env: Envelope, msg: RoundOpen, d: Delivery) -> None:
+        if env.inc == self.inc and env.round == self.round:
+            d.ack()  # the server repeats an open round's announcement for late-starting aggregators
+            return
         # Anything still held belongs to an older round or incarnation: those updates can no longer
         # count, so they are dead-lettered (not requeued, which would loop them forever).
         for batch in [self.batch, *self.pending.values()]:

@@ -75,6 +75,8 @@ from shared.transport import (
 )
 
 FLUSH_RETRY_S = 1.0
+#: how often an open round's ``round_open`` is repeated for aggregators that started after it
+ROUND_OPEN_REPEAT_S = 2.0
 
 
 class Server(ServiceBase):
@@ -156,6 +158,8 @@ class Server(ServiceBase):
         self.deadline = math.inf
         self.flush_deadline = math.inf
         self.last_flush = 0.0
+        self.round_open_msg: RoundOpen | None = None
+        self.last_round_open = 0.0
         self.round_down_bytes = 0
         self.round_dense_down = 0
         self.task_bytes: dict[int, int] = {}
@@ -345,6 +349,8 @@ class Server(ServiceBase):
                 if set(self.readies) | silent >= set(self.selected) or now >= self.deadline:
                     self._decide_uploads()
                 return
+            if now - self.last_round_open >= ROUND_OPEN_REPEAT_S:
+                self._repeat_round_open(now)
             accounted = set(self.receipts) | silent
             if accounted >= set(self.selected):
                 self._start_flush(now)
@@ -397,13 +403,10 @@ class Server(ServiceBase):
         started = time.time()
         deadline = started + self.cfg.round_timeout_s
         self.task_key = secrets.token_hex(16)
+        round_open = RoundOpen(selected=selected, deadline_unix=deadline, round_key=self.task_key)
         try:
             self.send(
-                KEY_AGGREGATORS,
-                Kind.ROUND_OPEN,
-                RoundOpen(selected=selected, deadline_unix=deadline, round_key=self.task_key),
-                round=self.round + 1,
-                inc=self.incarnation,
+                KEY_AGGREGATORS, Kind.ROUND_OPEN, round_open, round=self.round + 1, inc=self.incarnation
             )
         except Unroutable:
             # No aggregator is listening (not started yet, or all gone): nothing could be aggregated,
@@ -415,6 +418,7 @@ class Server(ServiceBase):
         self._reset_round()
         self.round += 1
         self.phase = "open"
+        self.round_open_msg, self.last_round_open = round_open, time.time()
         self.selected = selected
         self.offline = offline
         self.round_started = started
@@ -476,8 +480,28 @@ class Server(ServiceBase):
                 weights[key] = weights.get(key, 0.0) + w
         return {k: sums[k] / weights[k] for k in sums if weights[k] > 0}
 
+    def _repeat_round_open(self, now: float) -> None:
+        """Send the open round's ``round_open`` again (aggregators ignore a repeat).
+
+        Why: an aggregator that starts after the round opened -- a late start, a scale-up, a
+        restart -- never saw it, and cannot validate that round's updates: it can only put them
+        back. If the aggregator that held them crashed, they would bounce between the broker and the
+        newcomer until the flush deadline dropped them. Repeating the announcement lets it join.
+        """
+        self.last_round_open = now
+        if self.round_open_msg is not None:
+            with contextlib.suppress(Unroutable):
+                self.send(
+                    KEY_AGGREGATORS,
+                    Kind.ROUND_OPEN,
+                    self.round_open_msg,
+                    round=self.round,
+                    inc=self.incarnation,
+                )
+
     def _broadcast_flush(self, now: float) -> None:
         self.last_flush = now
+        self._repeat_round_open(now)  # first, so a late aggregator knows the round it is asked to flush
         with contextlib.suppress(Unroutable):  # every aggregator gone: the flush deadline decides
             self.send(KEY_AGGREGATORS, Kind.FLUSH, Flush(), round=self.round, inc=self.incarnation)
 
