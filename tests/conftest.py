@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -97,6 +98,23 @@ def broker_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.fixture
 def experiment_id() -> str:
     return f"t{uuid.uuid4().hex[:10]}"
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free TCP ports for child processes to serve on.
+
+    Why not ``_free_port(0)`` n times: each call frees its port before the next asks, so the kernel
+    may hand the same port out twice, and the second service to bind it dies at start-up. Holding
+    all n sockets until every port is chosen makes them distinct.
+    """
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("0.0.0.0", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def write_config(path: Path, **overrides: Any) -> Path:

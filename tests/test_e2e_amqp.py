@@ -22,7 +22,7 @@ import pika
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.cli import _free_port, _run_inproc
+from services.cli import _run_inproc
 from services.client.service import Client
 from shared import codec
 from shared.config import load_config
@@ -30,7 +30,7 @@ from shared.experiment import Experiment
 from shared.schemas import Kind, Reject, Update, encode
 from shared.transport import KEY_SERVER, KEY_UPDATE, key_task
 from shared.transport.amqp import AmqpTransport
-from tests.conftest import read_rounds, wait_for, write_config
+from tests.conftest import free_ports, read_rounds, wait_for, write_config
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
@@ -100,10 +100,9 @@ def test_amqp_run_equals_inproc_and_counts_every_published_byte(cluster: Any, tm
     spy = AmqpTransport(c.url, c.exp)
     spy_q = spy.names.client_queue("spy")  # deleted with the experiment's queues
     spy.declare_queue(spy_q, [KEY_UPDATE, *(key_task(d) for d in range(8))])
-    ports = {}
+    ports = dict(zip(("server", "agg-0", "agg-1", "c0", "c1"), free_ports(5), strict=True))
 
     def start(name: str, argv: list[str]) -> Any:
-        ports[name] = _free_port(0)
         return c._start_with_port(name, argv, ports[name])
 
     start("server", ["server", "--run-dir", str(c.run_dir)])
@@ -290,7 +289,7 @@ def test_sigkill_aggregator_mid_round_counts_each_update_once(cluster: Any, tmp_
     )
     c = cluster(config)
     server = c.server()
-    ports = {name: _free_port(0) for name in ("agg-0", "agg-1")}
+    ports = dict(zip(("agg-0", "agg-1"), free_ports(2), strict=True))
     aggs = {
         name: c._start_with_port(name, ["aggregator", "--id", name], port) for name, port in ports.items()
     }
@@ -318,6 +317,8 @@ def test_sigkill_aggregator_mid_round_counts_each_update_once(cluster: Any, tmp_
     # updates once some are reduced -- waited for, bounded well below the broker's heartbeat
     # timeout for the frozen server's connection, not a fixed sleep a slow first backward outlasts.
     wait_for(lambda: max(map(reduced, ports)) >= 1, 40, "an aggregator to reduce an update", interval=0.2)
+    dead = [n for n, a in aggs.items() if a.p.poll() is not None]
+    assert not dead, f"{dead} exited before the kill: {[aggs[n].text()[-500:] for n in dead]}"
     time.sleep(1.0)  # let the rest of the round's updates spread over both
     held = {name: reduced(name) for name in ports}
     victim_name = max(held, key=lambda n: held[n])

@@ -45,8 +45,7 @@ from typing import Any
 import pytest
 import yaml
 
-from services.cli import _free_port
-from tests.conftest import Cluster, Proc, read_rounds, wait_for, write_config
+from tests.conftest import Cluster, Proc, free_ports, read_rounds, wait_for, write_config
 from tests.test_deploy import (
     DEPLOY,
     RULES,
@@ -274,10 +273,11 @@ def observed(broker_url: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
     cluster = Cluster(broker_url, exp, config, work)
     cluster.env["FEDFLEET_LINGER_S"] = str(LINGER_S)
     clients = {"c0": "0-3", "c1": "4-7"}
-    targets = {name: _free_port(0) for name in ["server", "agg-0", "agg-1", *clients]}
+    names = ["server", "agg-0", "agg-1", *clients]
+    *service_ports, prom_port = free_ports(len(names) + 1)
+    targets = dict(zip(names, service_ports, strict=True))
     prom_dir = work / "prometheus"
     prom_dir.mkdir()
-    prom_port = _free_port(0)
     prom_cfg = prom_dir / "prometheus.yml"
     prometheus_config(targets, broker_target, prom_port, prom_cfg)
     prom = Prometheus(prometheus_bin, prom_cfg, prom_dir, prom_port)
