@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pika
 import pytest
 
@@ -12,8 +14,6 @@ pytestmark = pytest.mark.broker
 
 
 def _drain(t: AmqpTransport, got: list[Delivery], n: int, timeout: float = 5.0) -> None:
-    import time
-
     end = time.time() + timeout
     while len(got) < n and time.time() < end:
         t.process(0.05)
@@ -102,8 +102,6 @@ def test_dead_letter_carries_the_reason(broker_url: str, experiment_id: str) -> 
         t.declare_queue(q, ["in"])
         t.consume(q, lambda d: t.dead_letter(d, "malformed", "not msgpack"), prefetch=1)
         t.publish("in", b"\xc1bad")
-        import time
-
         end = time.time() + 5
         while t.queue_depth(t.names.dead_letter_queue) < 1 and time.time() < end:
             t.process(0.05)
@@ -137,4 +135,43 @@ def test_reconnects_after_the_connection_is_killed(broker_url: str, experiment_i
         assert [d.body for d in got] == [b"after"]
     finally:
         t.delete_experiment([q])
+        t.close()
+
+
+def test_no_handler_runs_inside_a_publish(broker_url: str, experiment_id: str) -> None:
+    """Deliveries that arrive while ``publish_many`` pumps the connection wait for ``process``.
+
+    The server draws a round's devices, then publishes the tasks with ``publish_many``; a ``register``
+    handler that ran inside that publish changed the registry mid-round-open. Here three messages
+    are already on the consumer's socket when a batch is published: none may be handled before the
+    next ``process``, and then all of them, in order, each once.
+    """
+    q, out = f"ff.{experiment_id}.inbox", f"ff.{experiment_id}.out"
+    t = AmqpTransport(broker_url, experiment_id)
+    other = AmqpTransport(broker_url, experiment_id)
+    try:
+        t.declare_queue(q, ["inbox"])
+        t.declare_queue(out, ["out"])
+        got: list[bytes] = []
+        t.consume(q, lambda d: (got.append(d.body), d.ack()), prefetch=10)
+        for i in range(3):
+            other.publish("inbox", b"m%d" % i)
+        end = time.time() + 10
+        while other.queue_depth(q) and time.time() < end:  # the broker has sent them to t
+            time.sleep(0.02)
+        assert other.queue_depth(q) == 0
+        time.sleep(0.2)  # and they have crossed the socket
+        unroutable = t.publish_many([("out", b"task"), ("nobody", b"lost")])
+        assert unroutable == {"nobody"}  # the returns are still seen
+        assert got == [], "a consumer handler ran inside publish_many"
+        t.process(0.05)
+        assert got == [b"m0", b"m1", b"m2"]
+        for _ in range(10):
+            t.process(0.05)
+        assert got == [b"m0", b"m1", b"m2"]  # handled once
+        assert other.queue_depth(out) == 1
+        assert t.queue_depth(q) == 0
+    finally:
+        other.close()
+        t.delete_experiment([q, out])
         t.close()

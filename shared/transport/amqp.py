@@ -12,13 +12,19 @@ Reliability choices, each because a service relies on it:
 * every queue dead-letters into the experiment's DLX, and services dead-letter bad messages
   explicitly (republished with ``x-fedfleet-reason``) so the dead-letter queue says why;
 * reconnect with exponential backoff: topology and consumers are re-declared; deliveries from the
-  lost channel are not acked (the broker redelivers them).
+  lost channel are not acked (the broker redelivers them);
+* handlers run only from ``process``, never from inside a publish: ``publish_many`` must pump the
+  connection to see its mandatory returns, and pika would dispatch consumer deliveries there too, so a
+  service's handler could run in the middle of the service's own state change (the server's
+  ``register`` handler ran between a round's device draw and its ``round_open`` log). Deliveries that
+  arrive during a publish wait, in order, for the next ``process``.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -82,6 +88,9 @@ class AmqpTransport(Transport):
         self._tx: BlockingChannel | None = None
         self._tx_generation = -1
         self._returned: set[str] = set()
+        #: >0 while publishing: consumer deliveries are queued in ``_deferred`` instead of handled
+        self._publishing = 0
+        self._deferred: deque[tuple[Handler, Delivery]] = deque()
         self._connect(first=True)
 
     # -- connection management -------------------------------------------------------------------
@@ -99,6 +108,8 @@ class AmqpTransport(Transport):
         ch.queue_bind(self.names.dead_letter_queue, self.names.dead_letter_exchange)
         self._ch = ch
         self._generation += 1
+        # deliveries of the lost channel can no longer be acked; the broker redelivers them
+        self._deferred.clear()
         for queue, keys in self._queues.items():
             self._declare(queue, keys)
         for queue, handler, prefetch in self._consumers:
@@ -193,7 +204,11 @@ class AmqpTransport(Transport):
                 ch.basic_publish(self.names.exchange, key, body, props, mandatory=True)
             ch.tx_commit()
             assert self._conn is not None
-            self._conn.process_data_events(0)  # dispatch the basic.return callbacks
+            self._publishing += 1
+            try:  # dispatch the basic.return callbacks; consumer deliveries are deferred
+                self._conn.process_data_events(0)
+            finally:
+                self._publishing -= 1
             return set(self._returned)
 
         return self._with_reconnect(_pub)
@@ -225,7 +240,10 @@ class AmqpTransport(Transport):
                 _ack=ack,
                 _nack=nack,
             )
-            handler(d)
+            if self._publishing:
+                self._deferred.append((handler, d))
+            else:
+                handler(d)
 
         ch.basic_consume(queue, on_message, auto_ack=False)
 
@@ -234,6 +252,12 @@ class AmqpTransport(Transport):
         self._with_reconnect(lambda: self._start_consumer(queue, handler, prefetch))
 
     def process(self, timeout: float) -> None:
+        if self._deferred:  # what arrived during a publish comes first, in arrival order
+            while self._deferred:  # a reconnect inside a handler empties it (see ``_open``)
+                handler, delivery = self._deferred.popleft()
+                handler(delivery)
+            return
+
         def _run() -> None:
             assert self._conn is not None
             self._conn.process_data_events(time_limit=timeout)
