@@ -161,6 +161,50 @@ def test_aggregator_crash_counts_every_update_once(tmp_path: Path) -> None:
     assert [r["participants"] for r in faulty.rows] == [r["participants"] for r in clean.rows]
 
 
+def test_a_kill_between_the_checkpoint_renames_resumes_from_the_previous_one(tmp_path: Path) -> None:
+    """The server replaces its checkpoint by two renames (checkpoint → .old, .tmp → checkpoint).
+
+    Killed between them, only ``checkpoint.old`` is whole (``checkpoint.tmp`` may be half written):
+    the restarted server must restore it, not start over and not read the half-written one, and
+    the run must end with the model of an uninterrupted run.
+    """
+    cfg = write_config(tmp_path / "c.yaml", rounds=3)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    _, clean, services = _inproc_services(cfg, tmp_path / "a", "clean")
+    _drive(services, clean)
+
+    run = tmp_path / "b"
+    _, first, services = _inproc_services(cfg, run, "killed")
+    for _ in range(200_000):  # until round 2's checkpoint is written
+        if len(first.rows) == 2:
+            break
+        for svc in services:
+            svc.transport.process(0)
+            svc.tick()
+    assert len(first.rows) == 2 and (run / "checkpoint" / "state.json").exists()
+    for svc in services:
+        svc.transport.close()
+    (run / "checkpoint").rename(run / "checkpoint.old")  # the kill: first rename done, not the second
+    (run / "checkpoint.tmp").mkdir()
+    (run / "checkpoint.tmp" / "state.json").write_text('{"round": 3, "sta')
+
+    _, resumed, services = _inproc_services(cfg, run, "killed")
+    assert resumed.resumed and resumed.round == 2
+    assert (run / "checkpoint" / "state.json").exists() and not (run / "checkpoint.old").exists()
+    _drive(services, resumed)
+    assert [r["round"] for r in resumed.rows] == [1, 2, 3]
+    for name, arr in clean.state.arrays.items():
+        np.testing.assert_allclose(resumed.state.arrays[name], arr, atol=1e-6, rtol=0)
+
+    # with neither whole, nothing is resumed: the run starts over rather than read a partial file
+    fresh = tmp_path / "c"
+    (fresh / "checkpoint.tmp").mkdir(parents=True)
+    (fresh / "checkpoint.tmp" / "state.json").write_text('{"round": 3, "sta')
+    _, again, _services = _inproc_services(cfg, fresh, "fresh")
+    assert not again.resumed and again.round == 0
+
+
 def test_aggregator_started_after_the_round_opened_joins_it(tmp_path: Path, monkeypatch: Any) -> None:
     """An aggregator that starts after a round opened (late start, scale-up, restart) learns the
     round from the server's repeated ``round_open``: when the only other aggregator then crashes

@@ -781,7 +781,12 @@ class Server(ServiceBase):
         plot_run(self.run_dir, self.rows, f"{self.cfg.name} ({self.algorithm})")
 
     def _save_checkpoint(self) -> None:
-        """Atomically write the state after a finished round (write to a temp dir, then rename)."""
+        """Atomically write the state after a finished round (write to a temp dir, then rename).
+
+        A directory holds a whole checkpoint once its ``state.json`` (written last) exists. A kill
+        between the two renames leaves only ``checkpoint.old`` whole; ``_load_checkpoint`` restores
+        it (that round is then run again, with the same seeds).
+        """
         tmp = self.run_dir / "checkpoint.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -804,10 +809,20 @@ class Server(ServiceBase):
         shutil.rmtree(old, ignore_errors=True)
 
     def _load_checkpoint(self) -> bool:
-        path = self.ckpt_dir / "state.json"
-        if not path.exists():
+        # ``checkpoint.tmp`` is never trusted: a kill can leave it half written
+        old = self.run_dir / "checkpoint.old"
+        if not (self.ckpt_dir / "state.json").exists() and (old / "state.json").exists():
+            self.log.warning(
+                "no checkpoint at %s (the server was stopped while replacing it); restoring %s",
+                self.ckpt_dir,
+                old,
+                extra={"event": "checkpoint_fallback"},
+            )
+            shutil.rmtree(self.ckpt_dir, ignore_errors=True)
+            old.rename(self.ckpt_dir)  # so the next save cannot delete the only whole checkpoint
+        if not (self.ckpt_dir / "state.json").exists():
             return False
-        meta = json.loads(path.read_text())
+        meta = json.loads((self.ckpt_dir / "state.json").read_text())
         with np.load(self.ckpt_dir / "state.npz", allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
         self.state = ServerState(arrays, meta["state_meta"])
