@@ -245,11 +245,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     # before any process starts, with the error that names the file, row and field.
     from shared.data import DatasetUnavailable
     from shared.devices import FleetError
-    from shared.experiment import Experiment
 
     try:
-        exp = Experiment.build(cfg)
-        _ = exp.strategy, exp.fleet, exp.partitions
+        _build(cfg)
     except (FleetError, DatasetUnavailable, ValueError) as err:
         console.print(f"[red]cannot run {args.config}[/red]\n{err}")
         return 2
@@ -612,6 +610,19 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _build(cfg: ExperimentConfig) -> Experiment:
+    """Build everything a run needs (strategy, fleet, data partitions) without starting anything.
+
+    ``run`` and ``validate`` share it so that a config ``validate`` calls ok does not then fail at
+    ``run`` on a missing dataset file, a bad fleet row or a partition that cannot be made.
+    """
+    from shared.experiment import Experiment
+
+    exp = Experiment.build(cfg)
+    _ = exp.strategy, exp.fleet, exp.partitions
+    return exp
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     cfg = _load(args.config)
     from shared import algorithms
@@ -622,6 +633,15 @@ def cmd_validate(args: argparse.Namespace) -> int:
     except ValueError as err:
         console.print(f"[red]{args.config}[/red]: {err}")
         return 2
+    if not args.syntax_only:
+        from shared.data import DatasetUnavailable
+        from shared.devices import FleetError
+
+        try:
+            _build(cfg)
+        except (FleetError, DatasetUnavailable, ValueError) as err:
+            console.print(f"[red]{args.config}[/red]: cannot run here: {err}")
+            return 2
     if args.resolved:
         # every key with its value or default, the algorithm's options included: what a run will use
         algo = cfg.algorithm.model_copy(update={"options": options.model_dump(mode="json")})
@@ -702,6 +722,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--resolved",
         action="store_true",
         help="print the config as YAML with every default filled in (algorithm options included)",
+    )
+    val.add_argument(
+        "--syntax-only",
+        action="store_true",
+        help="check keys and values only; do not load the dataset and fleet (for a config meant for "
+        "another machine, e.g. a pod whose paths do not exist here)",
     )
     val.set_defaults(fn=cmd_validate)
 

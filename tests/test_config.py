@@ -107,6 +107,23 @@ def test_validate_resolved_prints_every_default_and_round_trips(
     assert main(["validate", str(bad), "--resolved"]) == 2
 
 
+def test_validate_refuses_what_run_would_refuse(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``validate`` loads the dataset and the fleet as ``run`` does, so "ok" means the run can start;
+    ``--syntax-only`` checks keys and values only (a config for a pod whose paths are not here)."""
+    from services.cli import main
+    from tests.conftest import write_config
+
+    missing = tmp_path / "no-such-cifar"
+    cfg = write_config(tmp_path / "c.yaml", dataset={"name": "cifar10", "path": str(missing)})
+    assert main(["validate", str(cfg)]) == 2
+    err = "".join(capsys.readouterr().err.split())  # rich wraps long lines, even inside a path
+    assert "".join(f"cannot run here: CIFAR-10 path {missing} does not exist".split()) in err
+    assert main(["validate", str(cfg), "--syntax-only"]) == 0
+    assert "ok" in capsys.readouterr().err
+    good = write_config(tmp_path / "g.yaml")
+    assert main(["validate", str(good)]) == 0
+
+
 def test_configuration_reference_is_current_and_documents_every_key() -> None:
     """``docs/configuration.md`` is what ``fedfleet reference`` prints now (regenerate it with
     ``.venv/bin/fedfleet reference --out docs/configuration.md``), and every config key and every
