@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 
 from services.cli import _run_inproc
 from shared import codec
+from shared.algorithms import device_state
 from shared.algorithms.base import DeviceContext, DeviceData, Partial, UpdateSpec
-from shared.algorithms.lgfedavg import STATE_FILE, LGFedAvg
+from shared.algorithms.lgfedavg import STATE_PREFIX, LGFedAvg
 from shared.config import load_config
 from shared.experiment import Experiment
 from shared.results import read_rounds
@@ -56,7 +57,8 @@ def test_head_is_the_last_block_and_representation_stays_local(tmp_path: Path) -
     device = _device(tmp_path, 0, 1)
     update = s.train(first, device)
     assert set(update.tensors) == set(HEAD)  # only the head goes up
-    stored = dict(np.load(device.state_dir / STATE_FILE))
+    stored = device_state.load_latest(device.state_dir, STATE_PREFIX)
+    assert stored is not None
     assert set(stored) == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
     assert not np.allclose(stored["fc1.weight"], state.arrays["fc1.weight"])  # trained locally
     # the server learns from the envelope's device id that device 0 now holds a representation
@@ -67,9 +69,17 @@ def test_head_is_the_last_block_and_representation_stays_local(tmp_path: Path) -
     tasks = s.plan(state, 2, [0, 1])
     assert set(tasks[0].tensors) == set(HEAD) and set(tasks[1].tensors) == set(s._shapes)
     # the next task trains on the stored representation, not the server's copy
-    s.train(tasks[0], _device(tmp_path, 0, 2))
-    again = dict(np.load(device.state_dir / STATE_FILE))
-    assert not np.allclose(again["fc1.weight"], stored["fc1.weight"])
+    second = s.train(tasks[0], _device(tmp_path, 0, 2))
+    again = device_state.load_latest(device.state_dir, STATE_PREFIX)
+    assert again is not None and not np.allclose(again["fc1.weight"], stored["fc1.weight"])
+    # a replayed round-2 task (client died before its update was confirmed) starts from the
+    # round-1 representation again: same update, same stored state, local work not counted twice
+    replay = s.train(tasks[0], _device(tmp_path, 0, 2))
+    for k in HEAD:
+        np.testing.assert_array_equal(replay.tensors[k].array, second.tensors[k].array)  # type: ignore[union-attr]
+    after_replay = device_state.load_latest(device.state_dir, STATE_PREFIX)
+    assert after_replay is not None
+    np.testing.assert_array_equal(after_replay["fc1.weight"], again["fc1.weight"])
     ev = s.evaluate_device(s.plan_evaluation(state, [0])[0], _device(tmp_path, 0, 3))
     assert ev is not None and 0.0 <= ev["eval_accuracy"] <= 1.0 and ev["eval_samples"] == 10
     assert s.evaluate_device(s.plan_evaluation(state, [5])[5], _device(tmp_path, 5, 3)) is None

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -59,6 +58,7 @@ from shared.algorithms.base import (
     load_arrays,
     model_arrays,
 )
+from shared.algorithms.device_state import atomic_savez
 from shared.algorithms.training import evaluate, local_sgd
 from shared.data.partitioning import split_local
 from shared.models.hermes_layers import Keep, UnitStructure, group_lasso, structured_prune
@@ -90,14 +90,6 @@ def read_device_logs(device_state_root: Path) -> dict[int, list[dict[str, Any]]]
         dev = int(log.parent.name.removeprefix("device-"))
         out[dev] = [by_round[r] for r in sorted(by_round)]
     return out
-
-
-def atomic_savez(path: Path, arrays: dict[str, np.ndarray]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    with tmp.open("wb") as f:
-        np.savez(f, **arrays)  # type: ignore[arg-type]
-    os.replace(tmp, path)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,9 @@ side; LG-FedAvg keeps the input side personal). Blocks are the cut-safe units of
   whole model to a device's first task (its starting representation) and to everyone during the
   ``warmup_rounds`` of phase 1; ``finalize`` averages each uploaded tensor over its uploaders
   (sample-weighted, as FedAvg, by default).
-* **client** — ``train``: local representation (``state_dir``) + downloaded head,
+* **client** — ``train``: local representation (``state_dir``, one file per round via
+  :mod:`shared.algorithms.device_state`, so a replayed task starts from the same representation) +
+  downloaded head,
   ``train.local_epochs`` (or ``train.local_steps``) of SGD on the whole model, representation saved
   back, head uploaded; accuracy on the device's own test split before (``eval_accuracy_before``:
   stored representation + downloaded head) and after local training (``eval_accuracy``, the model
@@ -25,15 +27,14 @@ side; LG-FedAvg keeps the input side personal). Blocks are the cut-safe units of
 
 from __future__ import annotations
 
-import os
 from functools import cached_property
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from shared import codec
+from shared.algorithms import device_state
 from shared.algorithms.base import (
     DeviceContext,
     Partial,
@@ -48,7 +49,8 @@ from shared.algorithms.base import (
 from shared.algorithms.training import evaluate, local_sgd
 from shared.models.partial_training import LayerSplit
 
-STATE_FILE = "lgfedavg_local.npz"
+#: the device's representation: ``lgfedavg-<round>.npz`` in its ``state_dir``
+STATE_PREFIX = "lgfedavg"
 
 
 class LGFedAvgOptions(BaseModel):
@@ -62,14 +64,6 @@ class LGFedAvgOptions(BaseModel):
     warmup_rounds: int = Field(0, ge=0)
     #: samples = FedAvg's n_k weights (LG-FedAvg's choice); uniform = 1 per device
     weighting: Literal["samples", "uniform"] = "samples"
-
-
-def _save(path: Path, arrays: dict[str, np.ndarray]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    with tmp.open("wb") as f:
-        np.savez(f, **arrays)  # type: ignore[arg-type]
-    os.replace(tmp, path)
 
 
 class LGFedAvg(Strategy):
@@ -125,16 +119,22 @@ class LGFedAvg(Strategy):
         return self.plan(state, self.opts.warmup_rounds + 1, devices)
 
     # -- client half -----------------------------------------------------------------------------------
-    def _model(self, task: TaskSpec, device: DeviceContext) -> tuple[Any, bool]:
+    def _model(self, task: TaskSpec, device: DeviceContext, *, latest: bool = False) -> tuple[Any, bool]:
         """The device's model: its stored representation (if any) + the task's tensors on top of the
-        initial model. Returns (model, had_local_state)."""
+        initial model. Returns (model, had_local_state).
+
+        Training starts from the representation saved before the task's round (a replayed task must
+        not start from its own first run's result); ``latest`` takes the newest one (evaluation).
+        """
         model = self.ctx.model_factory()
         arrays = model_arrays(model)
-        path = device.state_dir / STATE_FILE
-        stored = path.exists()
-        if stored:
-            with np.load(path, allow_pickle=False) as z:
-                arrays.update({k: z[k] for k in z.files})
+        if latest:
+            saved = device_state.load_latest(device.state_dir, STATE_PREFIX)
+        else:
+            saved = device_state.load_before(device.state_dir, STATE_PREFIX, device.round)
+        stored = saved is not None
+        if saved is not None:
+            arrays.update(saved)
         # The server sends the representation only to devices it does not count as holding one
         # (phase 1, or a device's first phase-2 task), so whatever the task carries wins.
         for name, t in task.tensors.items():
@@ -150,7 +150,8 @@ class LGFedAvg(Strategy):
         after = evaluate(model, data.x_test, data.y_test)
         trained = model_arrays(model)
         # the representation stays here; non-float buffers (BN counters) too
-        _save(device.state_dir / STATE_FILE, {k: v for k, v in trained.items() if k not in self.head})
+        representation = {k: v for k, v in trained.items() if k not in self.head}
+        device_state.save(device.state_dir, STATE_PREFIX, device.round, representation)
         phase = int(task.config.get("phase", 2))
         names = list(self._shapes) if phase == 1 else self.head
         metrics.update(
@@ -165,9 +166,9 @@ class LGFedAvg(Strategy):
 
     def evaluate_device(self, task: TaskSpec, device: DeviceContext) -> dict[str, float] | None:
         """The device's representation with the final global head, on its own test split."""
-        if not (device.state_dir / STATE_FILE).exists():
+        model, stored = self._model(task, device, latest=True)
+        if not stored:
             return None  # never participated: it has no personal model
-        model, _ = self._model(task, device)
         ev = evaluate(model, device.data.x_test, device.data.y_test)
         return {
             "eval_accuracy": ev["accuracy"],

@@ -20,9 +20,6 @@ The noisy digits variant (spec §8.1) is the config's ``dataset.feature_noise_st
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -37,10 +34,13 @@ from shared.algorithms.base import (
     load_arrays,
     model_arrays,
 )
-from shared.algorithms.hermes import append_device_log, atomic_savez, local_data
+from shared.algorithms.device_state import load_before
+from shared.algorithms.device_state import save as save_state
+from shared.algorithms.hermes import append_device_log, local_data
 from shared.algorithms.training import evaluate, local_sgd
 
-_STATE = re.compile(r"^standalone-(\d+)\.npz$")
+#: the device's model and epochs done: ``standalone-<round>.npz`` (see :mod:`~shared.algorithms.device_state`)
+STATE_PREFIX = "standalone"
 
 
 class StandaloneOptions(BaseModel):
@@ -77,22 +77,14 @@ class Standalone(Strategy):
         return ServerState(dict(state.arrays), meta)
 
     # -- client half ---------------------------------------------------------------------------------
-    @staticmethod
-    def _states(state_dir: Path) -> list[tuple[int, Path]]:
-        if not state_dir.is_dir():
-            return []
-        found = [(int(m.group(1)), p) for p in state_dir.iterdir() if (m := _STATE.match(p.name))]
-        return sorted(found)
-
     def train(self, task: TaskSpec, device: DeviceContext) -> UpdateSpec:
         opts: StandaloneOptions = self.options  # type: ignore[assignment]
         model = self.ctx.model_factory()
         epochs_done = 0
-        earlier = [(r, p) for r, p in self._states(device.state_dir) if r < device.round]
-        if earlier:
-            with np.load(earlier[-1][1], allow_pickle=False) as z:
-                load_arrays(model, {k.removeprefix("w/"): z[k] for k in z.files if k.startswith("w/")})
-                epochs_done = int(z["epochs_done"][0])
+        saved = load_before(device.state_dir, STATE_PREFIX, device.round)
+        if saved is not None:
+            load_arrays(model, {k.removeprefix("w/"): v for k, v in saved.items() if k.startswith("w/")})
+            epochs_done = int(saved["epochs_done"][0])
         x_train, y_train, x_test = device.data.x_train, device.data.y_train, device.data.x_test
         if opts.val_fraction > 0:
             split = local_data(
@@ -111,10 +103,7 @@ class Standalone(Strategy):
         ev = evaluate(model, x_test, device.data.y_test)
         arrays = {f"w/{k}": v for k, v in model_arrays(model).items()}
         arrays["epochs_done"] = np.array([epochs_done + epochs], dtype=np.int64)
-        atomic_savez(device.state_dir / f"standalone-{device.round}.npz", arrays)
-        for r, p in self._states(device.state_dir):
-            if r < device.round and (not earlier or r != earlier[-1][0]):
-                p.unlink(missing_ok=True)  # keep the newest earlier state (a replay needs it) and this one
+        save_state(device.state_dir, STATE_PREFIX, device.round, arrays)
         metrics.update(
             {
                 "eval_accuracy": ev["accuracy"],
