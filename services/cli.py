@@ -738,8 +738,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from shared.metrics import MetricsPortInUse
+
     args = build_parser().parse_args(argv)
-    return int(args.fn(args))
+    try:
+        return int(args.fn(args))
+    except MetricsPortInUse as err:  # a deployment mistake, not a bug: one line, no traceback
+        console.print(f"[red]{err}[/red]")
+        return 2
 
 
 if __name__ == "__main__":

@@ -934,3 +934,28 @@ def test_make_targets_explain_missing_kubectl_or_context(fake_kubectl: dict[str,
     proc = make("up", fake_kubectl, "OVERLAY=nope")
     assert proc.returncode != 0 and "no overlay 'nope'" in proc.stderr
     assert not Path(fake_kubectl["FAKE_APPLIED"]).exists()
+
+
+def test_a_taken_metrics_port_is_one_clear_line_not_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    """A second service on the same metrics port (two replicas on one host, a leftover process) is a
+    deployment mistake: exit code 2 and a message naming the port and the two ways to change it."""
+    import logging
+    import socket
+
+    from services.cli import main
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level  # the command sets up the services' JSON logging
+    try:
+        with socket.socket() as taken:
+            taken.bind(("0.0.0.0", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            config = str(Path(__file__).resolve().parents[1] / "experiments" / "quickstart.yaml")
+            assert main(["aggregator", "--config", config, "--metrics-port", str(port)]) == 2
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"metrics port 0.0.0.0:{port} is already in use" in err
+    assert "--metrics-port" in err and "FEDFLEET_METRICS_PORT" in err and "Traceback" not in err

@@ -11,6 +11,7 @@ Units are in the names (``_bytes_total``, ``_seconds``) as Prometheus convention
 
 from __future__ import annotations
 
+import errno
 import threading
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -185,6 +186,10 @@ _started: set[int] = set()
 _lock = threading.Lock()
 
 
+class MetricsPortInUse(RuntimeError):
+    """The metrics port is taken: said in one line that names the port and how to choose another."""
+
+
 def serve(port: int, addr: str = "0.0.0.0") -> None:
     """Expose ``/metrics`` on ``port`` (0 disables). Idempotent per port within a process."""
     if port <= 0:
@@ -192,5 +197,13 @@ def serve(port: int, addr: str = "0.0.0.0") -> None:
     with _lock:
         if port in _started:
             return
-        start_http_server(port, addr=addr)
+        try:
+            start_http_server(port, addr=addr)
+        except OSError as err:
+            if err.errno != errno.EADDRINUSE:
+                raise
+            raise MetricsPortInUse(
+                f"metrics port {addr}:{port} is already in use (another fedfleet service on this "
+                "machine?); choose another with --metrics-port or FEDFLEET_METRICS_PORT, or 0 for none"
+            ) from err
         _started.add(port)
