@@ -243,13 +243,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
     # Build the experiment once here so that a bad fleet, dataset or algorithm option is refused
     # before any process starts, with the error that names the file, row and field.
-    from shared.data import DatasetUnavailable
-    from shared.devices import FleetError
-
-    try:
-        _build(cfg)
-    except (FleetError, DatasetUnavailable, ValueError) as err:
-        console.print(f"[red]cannot run {args.config}[/red]\n{err}")
+    if (why := _cannot_run(cfg)) is not None:
+        console.print(f"[red]cannot run {args.config}[/red]\n{why}")
         return 2
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_config(cfg))
@@ -610,17 +605,23 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _build(cfg: ExperimentConfig) -> Experiment:
-    """Build everything a run needs (strategy, fleet, data partitions) without starting anything.
+def _cannot_run(cfg: ExperimentConfig) -> str | None:
+    """Why this machine cannot run ``cfg`` (None: it can): builds the strategy, fleet and data
+    partitions without starting anything.
 
     ``run`` and ``validate`` share it so that a config ``validate`` calls ok does not then fail at
     ``run`` on a missing dataset file, a bad fleet row or a partition that cannot be made.
     """
+    from shared.data import DatasetUnavailable
+    from shared.devices import FleetError
     from shared.experiment import Experiment
 
-    exp = Experiment.build(cfg)
-    _ = exp.strategy, exp.fleet, exp.partitions
-    return exp
+    try:
+        exp = Experiment.build(cfg)
+        _ = exp.strategy, exp.fleet, exp.partitions
+    except (FleetError, DatasetUnavailable, ValueError) as err:
+        return str(err)
+    return None
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -633,15 +634,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
     except ValueError as err:
         console.print(f"[red]{args.config}[/red]: {err}")
         return 2
-    if not args.syntax_only:
-        from shared.data import DatasetUnavailable
-        from shared.devices import FleetError
-
-        try:
-            _build(cfg)
-        except (FleetError, DatasetUnavailable, ValueError) as err:
-            console.print(f"[red]{args.config}[/red]: cannot run here: {err}")
-            return 2
+    if not args.syntax_only and (why := _cannot_run(cfg)) is not None:
+        console.print(f"[red]{args.config}[/red]: cannot run here: {why}")
+        return 2
     if args.resolved:
         # every key with its value or default, the algorithm's options included: what a run will use
         algo = cfg.algorithm.model_copy(update={"options": options.model_dump(mode="json")})

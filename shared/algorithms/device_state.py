@@ -18,20 +18,27 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
 log = logging.getLogger(__name__)
 
 
-def atomic_savez(path: Path, arrays: dict[str, np.ndarray]) -> None:
-    """Write an ``.npz`` so that a reader sees the old file or the whole new one, never a part."""
+def _atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """Write ``path`` so that a reader sees the old file or the whole new one, never a part."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(path.name + ".tmp")
     with tmp.open("wb") as f:
-        np.savez(f, **arrays)  # type: ignore[arg-type]
+        write(f)
     os.replace(tmp, path)
+
+
+def atomic_savez(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    """Write an ``.npz`` atomically (see ``_atomic_write``)."""
+    _atomic_write(path, lambda f: np.savez(f, **arrays))  # type: ignore[arg-type]
 
 
 def _files(state_dir: Path, prefix: str) -> list[tuple[int, Path]]:
@@ -88,10 +95,7 @@ def save(state_dir: Path, prefix: str, round: int, arrays: dict[str, np.ndarray]
     """Save the state a task of ``round`` produced; keep only what a replay of it could need."""
     first = _first_round(state_dir, prefix)
     if first == 0 or round < first:
-        state_dir.mkdir(parents=True, exist_ok=True)
-        tmp = state_dir / f"{prefix}.first.tmp"
-        tmp.write_text(str(round))
-        os.replace(tmp, state_dir / f"{prefix}.first")
+        _atomic_write(state_dir / f"{prefix}.first", lambda f: f.write(str(round).encode()))
     atomic_savez(state_dir / f"{prefix}-{round}.npz", arrays)
     found = _files(state_dir, prefix)
     earlier = [r for r, _ in found if r < round]
