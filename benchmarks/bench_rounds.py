@@ -145,7 +145,7 @@ def measure_floor(n: int, rounds: int) -> tuple[Series, float]:
     evals: list[float] = []
     for rnd in range(1, rounds + 1):
         started, cpu_started = time.perf_counter(), time.process_time()
-        tasks = strategy.plan(state, rnd, devices)
+        tasks = strategy.plan(state, rnd, devices, {})
         partial = Partial()
         for dev in devices:
             ctx = DeviceContext(

@@ -113,7 +113,7 @@ def _measure(label: str, run_dir: Path) -> dict[str, Any]:
     assert isinstance(s, DynamicPruning)
     state = s.init_state()
     # peak footprint over the run's tasks (adjustment rounds carry the top-ξ buffer)
-    peak = max(s.task_footprint(s.plan(state, r, [0])[0]).total for r in range(1, cfg.rounds + 1))
+    peak = max(s.task_footprint(s.plan(state, r, [0], {})[0]).total for r in range(1, cfg.rounds + 1))
     log = meta.get("adjust_log", [])
     drops = [e["acc_before"] - e["acc_after"] for e in log if "acc_before" in e]
     overlaps = [e["overlap"] for e in log if e.get("overlap") is not None]

@@ -197,9 +197,9 @@ def test_validation_accepts_suffixes_only(tmp_path: Path) -> None:
 # -- the client half: multi-step forward, frozen prefix, uplink/downlink (§8 unit checks 3, 4) -------
 def test_weak_client_prefix_gets_no_gradient_and_caches_prefix_features(tmp_path: Path) -> None:
     s = _efl(tmp_path, options={"client_types": "tier", "moderate_blocks": 3, "weak_blocks": 2})
-    s.fleet = {0: DeviceInfo(device_id=0, tier="weak", num_samples=50)}
+    fleet = {0: DeviceInfo(device_id=0, tier="weak", num_samples=50)}
     state = s.init_state()
-    task = s.plan(state, 0, [0])[0]
+    task = s.plan(state, 0, [0], fleet)[0]
     assert task.config["cut"] == 3 and task.config["chunks"] == [[1, 1], [2, 2]]  # weak: 2 prefix chunks
     # downlink: the full model (its bytes unchanged), in 2 prefix chunks + the suffix = 3 messages
     assert set(task.tensors) == {k for k, v in state.arrays.items() if v.dtype.kind == "f"}
@@ -239,7 +239,7 @@ def test_weak_client_prefix_gets_no_gradient_and_caches_prefix_features(tmp_path
 
 def test_local_steps_and_strong_devices_train_everything(tmp_path: Path) -> None:
     s = _efl(tmp_path, options={"client_types": "tier", "local_steps": 4})
-    task = s.plan(s.init_state(), 0, [0])[0]  # no fleet: tier "default" -> strong
+    task = s.plan(s.init_state(), 0, [0], {})[0]  # no fleet: tier "default" -> strong
     assert task.config["cut"] == 1 and task.config["chunks"] == []
     update = s.train(task, _device(tmp_path, 0))
     assert update.metrics["steps"] == 4 and set(update.tensors) == set(s._expected_shapes)
@@ -248,11 +248,11 @@ def test_local_steps_and_strong_devices_train_everything(tmp_path: Path) -> None
 def test_mix_assigns_exact_shares_by_a_seeded_permutation(tmp_path: Path) -> None:
     opts = {"client_types": "mix", "strong_fraction": 0.25, "moderate_fraction": 0.25, "weak_fraction": 0.5}
     s = _efl(tmp_path, options=opts)
-    s.fleet = {d: DeviceInfo(device_id=d, num_samples=5) for d in range(32)}
-    kinds = [s.assign(d, [])[2] for d in range(32)]
+    fleet = {d: DeviceInfo(device_id=d, num_samples=5) for d in range(32)}
+    kinds = [s.assign(d, [], fleet)[2] for d in range(32)]
     assert (kinds.count("strong"), kinds.count("moderate"), kinds.count("weak")) == (8, 8, 16)
     assert kinds == [
-        _efl(tmp_path, "again.yaml", options=opts).assign(d, list(range(32)))[2] for d in range(32)
+        _efl(tmp_path, "again.yaml", options=opts).assign(d, list(range(32)), {})[2] for d in range(32)
     ]
     assert kinds != sorted(kinds)  # permuted, not blocks
 
@@ -264,8 +264,8 @@ def test_budget_picks_the_most_layers_that_fit_and_admission_agrees(tmp_path: Pa
     L = s.split.num_blocks
     for fraction in (1.0, 0.7, 0.4, 0.1):
         budget = int(fraction * full)
-        s.fleet = {0: DeviceInfo(device_id=0, tier="x", num_samples=40, profile={"memory_bytes": budget})}
-        task = s.plan(s.init_state(), 0, [0])[0]
+        fleet = {0: DeviceInfo(device_id=0, tier="x", num_samples=40, profile={"memory_bytes": budget})}
+        task = s.plan(s.init_state(), 0, [0], fleet)[0]
         cut, chunks = task.config["cut"], [tuple(c) for c in task.config["chunks"]]
         fits = admit(s.task_footprint(task), budget).admitted
         if fraction == 1.0:

@@ -60,7 +60,7 @@ def _round(
 ) -> Any:
     """One round through the strategy halves: plan, train, validate, reduce over ``splits`` aggregators."""
     s = exp.strategy
-    tasks = s.plan(state, round, devices)
+    tasks = s.plan(state, round, devices, {})
     parts = [Partial() for _ in range(splits)]
     for i, dev in enumerate(devices):
         up = s.train(tasks[dev], _ctx(exp, dev, round, tmp_path))
@@ -143,7 +143,7 @@ def test_feddse_downloads_full_and_uploads_its_top_units(tmp_path: Path) -> None
     s = exp.strategy
     assert isinstance(s, FedDSE)
     state = s.init_state()
-    task = s.plan(state, 1, [2])[2]
+    task = s.plan(state, 1, [2], {})[2]
     assert all(isinstance(t, codec.Dense) for t in task.tensors.values())
     assert set(task.tensors) == set(s.structure.shapes)
     ctx = _ctx(exp, 2, 1, tmp_path)
@@ -215,7 +215,7 @@ _EXP_CACHE: dict[str, Experiment] = {}
 def test_invalid_updates_are_rejected(tmp_path: Path) -> None:
     s = _exp(tmp_path, "heterofl", {"capacity": "fixed", "fixed_rate": 0.5}).strategy
     state = s.init_state()
-    task = s.plan(state, 1, [0])[0]
+    task = s.plan(state, 1, [0], {})[0]
     good = dict(task.tensors)
     s.validate_update(UpdateSpec(good, 10))
     bad = dict(good)
@@ -240,20 +240,19 @@ def test_budget_capacity_is_the_largest_rate_that_fits(tmp_path: Path) -> None:
     foot = {r: s.task_footprint(TaskSpec(config={"rate": r})).total for r in grid}
     assert all(a < b for a, b in zip(list(foot.values())[:-1], list(foot.values())[1:], strict=True))
     budget = (foot[6 / 16] + foot[7 / 16]) // 2
-    s.fleet = {
+    fleet = {
         0: DeviceInfo(device_id=0, tier="big", num_samples=50, profile={"memory_bytes": 10 * foot[1.0]}),
         1: DeviceInfo(device_id=1, tier="mid", num_samples=50, profile={"memory_bytes": budget}),
         2: DeviceInfo(device_id=2, tier="small", num_samples=50, profile={}),
     }
-    assert s.rate_for(0, 1) == 1.0 and s.rate_for(1, 1) == 6 / 16
-    assert s.rate_for(2, 1) == 0.25 and s.rate_for(3, 1) == 0.5  # no profile: tier, then fixed_rate
-    tasks = s.plan(s.init_state(), 1, [0, 1, 2])
+    assert s.rate_for(0, 1, fleet) == 1.0 and s.rate_for(1, 1, fleet) == 6 / 16
+    assert s.rate_for(2, 1, fleet) == 0.25 and s.rate_for(3, 1, fleet) == 0.5  # no profile: tier, fixed_rate
+    tasks = s.plan(s.init_state(), 1, [0, 1, 2], fleet)
     assert s.task_footprint(tasks[1]).total <= budget < foot[7 / 16]
     # the sampled modes are capped by the budget, too
     capped = _exp(tmp_path, "feddse", {"capacity": "fixed", "fixed_rate": 1.0}).strategy
     assert isinstance(capped, WidthSliceStrategy)
-    capped.fleet = {1: s.fleet[1]}
-    assert capped.rate_for(1, 3) == 6 / 16 and capped.rate_for(0, 3) == 1.0
+    assert capped.rate_for(1, 3, {1: fleet[1]}) == 6 / 16 and capped.rate_for(0, 3, {1: fleet[1]}) == 1.0
     assert capped.accounting_key(TaskSpec(config={"rate": 6 / 16})) != capped.accounting_key(
         TaskSpec(config={"rate": 1.0})
     )
@@ -345,8 +344,8 @@ def test_fjord_trains_ordered_prefixes_per_batch(tmp_path: Path) -> None:
     for rate, same in ((0.0625, True), (0.5, False)):
         opts = {"capacity": "fixed", "fixed_rate": rate}
         fj, het = _exp(tmp_path, "fjord", opts), _exp(tmp_path, "heterofl", opts)
-        task_f = fj.strategy.plan(fj.strategy.init_state(), 1, [1])[1]
-        task_h = het.strategy.plan(het.strategy.init_state(), 1, [1])[1]
+        task_f = fj.strategy.plan(fj.strategy.init_state(), 1, [1], {})[1]
+        task_h = het.strategy.plan(het.strategy.init_state(), 1, [1], {})[1]
         up_f = fj.strategy.train(task_f, _ctx(fj, 1, 1, tmp_path))
         up_h = het.strategy.train(task_h, _ctx(het, 1, 1, tmp_path))
         assert set(up_f.tensors) == set(up_h.tensors)
@@ -381,7 +380,7 @@ def test_scoring_pass_over_budget_is_refused_end_to_end(tmp_path: Path) -> None:
 
     probe = _exp(tmp_path, "feddse", {"capacity": "fixed", "fixed_rate": 0.25})
     s = probe.strategy
-    task = s.plan(s.init_state(), 1, [0])[0]
+    task = s.plan(s.init_state(), 1, [0], {})[0]
     n = len(probe.device_data(0).y_train)
     train_b = s.task_footprint(task).total
     extra = s.task_extra_peak(task, n)

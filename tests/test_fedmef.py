@@ -187,13 +187,13 @@ def test_extrusion_shrinks_theta_low_with_a_boosted_rate(tmp_path: Path) -> None
     exp, s = _strategy(tmp_path, "fedmef", {"extrusion_lambda": 5.0})
     (tmp_path / "off").mkdir()
     _, off = _strategy(tmp_path / "off", "fedmef", {"extrusion": False})
-    task = s.plan(s.init_state(), 3, [0])[0]
+    task = s.plan(s.init_state(), 3, [0], {})[0]
     assert task.config["adjust"] and task.config["lr"] == pytest.approx(0.1 * 0.95**2)
     up = s.train(task, _ctx(exp, 0, 3, tmp_path))
     ratio_on = _low_ratio(s, task, up)
     assert up.metrics["extrusion_ratio"] == pytest.approx(ratio_on, rel=1e-4)
     assert task.config["lr"] <= up.metrics["lr_max"] <= 0.1  # μ = max(η_r, β), β ≤ η_0
-    task_off = off.plan(off.init_state(), 3, [0])[0]
+    task_off = off.plan(off.init_state(), 3, [0], {})[0]
     plain = off.train(task_off, _ctx(exp, 0, 3, tmp_path))
     assert "extrusion_ratio" not in plain.metrics and plain.metrics["lr_max"] == task.config["lr"]
     ratio_off = _low_ratio(off, task_off, plain)
@@ -204,7 +204,7 @@ def test_extrusion_shrinks_theta_low_with_a_boosted_rate(tmp_path: Path) -> None
 def test_uploads_carry_only_values_plus_top_xi_lists_in_adjustment_rounds(tmp_path: Path, algo: str) -> None:
     exp, s = _strategy(tmp_path, algo)
     state = s.init_state()
-    normal, adjust = s.plan(state, 2, [0])[0], s.plan(state, 3, [0])[0]
+    normal, adjust = s.plan(state, 2, [0], {})[0], s.plan(state, 3, [0], {})[0]
     assert not normal.config["adjust"] and adjust.config["adjust"]
     for name in s.prunable:  # downlink: the mask travels as the sparse payload's positions
         t = normal.tensors[name]
@@ -251,15 +251,15 @@ def test_a_budget_between_the_footprints_admits_fedmef_and_refuses_fedtiny(tmp_p
     _, tiny = _strategy(tmp_path, "fedtiny")
     _, dst = _strategy(tmp_path, "feddst")
     st_m, st_t = mef.init_state(), tiny.init_state()
-    peak_mef = max(mef.task_footprint(mef.plan(st_m, r, [0])[0]).total for r in (1, 3))
-    low_tiny = min(tiny.task_footprint(tiny.plan(st_t, r, [0])[0]).total for r in (1, 3))
+    peak_mef = max(mef.task_footprint(mef.plan(st_m, r, [0], {})[0]).total for r in (1, 3))
+    low_tiny = min(tiny.task_footprint(tiny.plan(st_t, r, [0], {})[0]).total for r in (1, 3))
     assert peak_mef < 0.5 * low_tiny
-    fp = mef.task_footprint(mef.plan(st_m, 3, [0])[0])
-    assert fp.activations_bytes < 0.2 * tiny.task_footprint(tiny.plan(st_t, 3, [0])[0]).activations_bytes
+    fp = mef.task_footprint(mef.plan(st_m, 3, [0], {})[0])
+    assert fp.activations_bytes < 0.2 * tiny.task_footprint(tiny.plan(st_t, 3, [0], {})[0]).activations_bytes
     budget = (peak_mef + low_tiny) // 2
     assert admit(fp, budget).admitted
-    assert not admit(tiny.task_footprint(tiny.plan(st_t, 1, [0])[0]), budget).admitted
-    assert not admit(dst.task_footprint(dst.plan(dst.init_state(), 1, [0])[0]), budget).admitted
+    assert not admit(tiny.task_footprint(tiny.plan(st_t, 1, [0], {})[0]), budget).admitted
+    assert not admit(dst.task_footprint(dst.plan(dst.init_state(), 1, [0], {})[0]), budget).admitted
 
 
 def _fleet(budget: int) -> dict[str, Any]:
@@ -302,8 +302,8 @@ def test_end_to_end_fedmef_admitted_where_fedtiny_is_refused(tmp_path: Path) -> 
     task is refused for memory."""
     _, mef = _strategy(tmp_path, "fedmef")
     _, tiny = _strategy(tmp_path, "fedtiny")
-    peak = max(mef.task_footprint(mef.plan(mef.init_state(), r, [0])[0]).total for r in (1, 3))
-    low = tiny.task_footprint(tiny.plan(tiny.init_state(), 1, [0])[0]).total
+    peak = max(mef.task_footprint(mef.plan(mef.init_state(), r, [0], {})[0]).total for r in (1, 3))
+    low = tiny.task_footprint(tiny.plan(tiny.init_state(), 1, [0], {})[0]).total
     budget = (peak + low) // 2
     run = _run(tmp_path, "fedmef", "mef", fleet=_fleet(budget))
     rows = list(csv.DictReader((run / "rounds.csv").open()))

@@ -62,7 +62,7 @@ def test_devices_below_the_footprint_are_refused_every_time(tmp_path: Path) -> N
     small = {d.device_id for d in exp.fleet if d.tier == "small"}
     assert len(small) == 3
     # the budget of a small device really is below the task's footprint, and a big one's is not
-    footprint = exp.strategy.task_footprint(exp.strategy.plan(exp.strategy.init_state(), 1, [0])[0]).total
+    footprint = exp.strategy.task_footprint(exp.strategy.plan(exp.strategy.init_state(), 1, [0], {})[0]).total
     assert all(d.profile.memory_bytes < footprint for d in exp.fleet if d.tier == "small")
     assert all(d.profile.memory_bytes >= footprint for d in exp.fleet if d.tier == "big")
     rows = _devices(run)
@@ -125,7 +125,7 @@ def test_virtual_round_time_is_bytes_over_bandwidth_plus_latency_plus_compute(
         fleet=_uniform(bps),
     )
     strategy = exp.strategy
-    task = strategy.plan(strategy.init_state(), 1, [0])[0]
+    task = strategy.plan(strategy.init_state(), 1, [0], {})[0]
     for row in read_rounds(run):
         k = int(row["participants"])
         down = int(row["bytes_down"]) / k  # FedAvg: every device gets the same bytes...

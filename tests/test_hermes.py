@@ -189,7 +189,7 @@ def test_masks_are_monotone_structured_and_uploads_zero_outside(
     history: list[dict[str, np.ndarray]] = [h.structure.full_keep()]
     densities = [1.0]
     for rnd in range(1, 9):
-        task = h.plan(state, rnd, [0])[0]
+        task = h.plan(state, rnd, [0], {})[0]
         update = h.train(task, _device(tmp_path, 0, rnd))
         update.device_id = 0  # what the aggregator sets from the envelope
         h.validate_update(update)
@@ -302,11 +302,11 @@ def test_unstructured_or_classifier_pruning_uploads_are_rejected(tmp_path: Path)
 def test_downlink_is_full_model_first_then_the_smaller_structured_payload(tmp_path: Path) -> None:
     h = _hermes(tmp_path, model={"name": "mlp", "options": {"hidden": [64, 32]}})
     state = h.init_state()
-    first = h.plan(state, 1, [5])[5]
+    first = h.plan(state, 1, [5], {})[5]
     assert all(isinstance(t, codec.Dense) for t in first.tensors.values())
     keep = structured_prune(h.structure, state.arrays, h.structure.full_keep(), 0.5)
     state.arrays.update({f"mask/5/{k}": v.astype(np.uint8) for k, v in keep.items()})
-    later = h.plan(state, 2, [5])[5]
+    later = h.plan(state, 2, [5], {})[5]
     for name, t in later.tensors.items():
         assert not isinstance(t, codec.Dense) or h.structure.tensor_mask(name, keep).all()
         if isinstance(t, codec.Sliced | codec.Sparse):
@@ -452,7 +452,7 @@ def test_standalone_trains_locally_sends_no_weights_and_replays_identically(tmp_
     seed = derive_seed(cfg.seed, "train", 4, 0) % (2**32)
     ctx = DeviceContext(0, 4, exp.device_data(0), run / "device-state" / "device-0", seed=seed)
     for _ in range(2):
-        again = strat.train(strat.plan(strat.init_state(), 4, [0])[0], ctx).metrics
+        again = strat.train(strat.plan(strat.init_state(), 4, [0], {})[0], ctx).metrics
         assert again == {k: v for k, v in logs[0][-1].items() if k not in ("round", "device")}
 
 
@@ -487,7 +487,7 @@ def test_standalone_val_fraction_trains_on_exactly_hermes_training_samples(tmp_p
     ups = []
     for name, strat in (("held", held), ("full", full)):
         ctx = DeviceContext(1, 1, data, tmp_path / name / "device-1", seed=5)
-        ups.append(strat.train(strat.plan(strat.init_state(), 1, [1])[1], ctx))
+        ups.append(strat.train(strat.plan(strat.init_state(), 1, [1], {})[1], ctx))
     assert ups[0].num_samples == len(split.y_train) and ups[1].num_samples == len(data.y_train)
     with np.load(tmp_path / "held" / "device-1" / "standalone-1.npz") as z:
         trained = {k.removeprefix("w/"): z[k] for k in z.files if k.startswith("w/")}
@@ -507,10 +507,10 @@ def test_evaluate_device_reports_the_local_and_the_download_time_model(tmp_path:
         train={"local_epochs": 1, "batch_size": 16, "lr": 0.05, "momentum": 0.5},
     )
     state = h.init_state()
-    update = h.train(h.plan(state, 1, [0])[0], _device(tmp_path, 0, 1))
+    update = h.train(h.plan(state, 1, [0], {})[0], _device(tmp_path, 0, 1))
     update.device_id = 0
     state = h.finalize(state, h.reduce(Partial(), update), 1)
-    tasks = h.plan_evaluation(state, [0, 1])
+    tasks = h.plan_evaluation(state, [0, 1], {})
     ev0 = h.evaluate_device(tasks[0], _device(tmp_path, 0, 2))
     assert ev0 is not None
     assert ev0["eval_accuracy"] == ev0["eval_accuracy_local"] == update.metrics["eval_accuracy_local"]

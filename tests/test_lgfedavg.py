@@ -52,7 +52,7 @@ def test_head_is_the_last_block_and_representation_stays_local(tmp_path: Path) -
     s = _lg(tmp_path)
     assert s.head == HEAD
     state = s.init_state()
-    first = s.plan(state, 1, [0])[0]
+    first = s.plan(state, 1, [0], {})[0]
     assert set(first.tensors) == set(s._shapes)  # a device's first task: its starting representation
     device = _device(tmp_path, 0, 1)
     update = s.train(first, device)
@@ -66,7 +66,7 @@ def test_head_is_the_last_block_and_representation_stays_local(tmp_path: Path) -
     state = s.finalize(state, s.reduce(Partial(), update), 1)
     assert state.meta["personal"] == [0]
     np.testing.assert_allclose(state.arrays["fc3.weight"], update.tensors["fc3.weight"].array)  # type: ignore[union-attr]
-    tasks = s.plan(state, 2, [0, 1])
+    tasks = s.plan(state, 2, [0, 1], {})
     assert set(tasks[0].tensors) == set(HEAD) and set(tasks[1].tensors) == set(s._shapes)
     # the next task trains on the stored representation, not the server's copy
     second = s.train(tasks[0], _device(tmp_path, 0, 2))
@@ -80,23 +80,23 @@ def test_head_is_the_last_block_and_representation_stays_local(tmp_path: Path) -
     after_replay = device_state.load_latest(device.state_dir, STATE_PREFIX)
     assert after_replay is not None
     np.testing.assert_array_equal(after_replay["fc1.weight"], again["fc1.weight"])
-    ev = s.evaluate_device(s.plan_evaluation(state, [0])[0], _device(tmp_path, 0, 3))
+    ev = s.evaluate_device(s.plan_evaluation(state, [0], {})[0], _device(tmp_path, 0, 3))
     assert ev is not None and 0.0 <= ev["eval_accuracy"] <= 1.0 and ev["eval_samples"] == 10
-    assert s.evaluate_device(s.plan_evaluation(state, [5])[5], _device(tmp_path, 5, 3)) is None
+    assert s.evaluate_device(s.plan_evaluation(state, [5], {})[5], _device(tmp_path, 5, 3)) is None
 
 
 def test_warmup_rounds_are_fedavg_on_the_whole_model(tmp_path: Path) -> None:
     s = _lg(tmp_path, warmup_rounds=2)
     state = s.init_state()
-    assert s.plan(state, 2, [0])[0].config["phase"] == 1  # rounds are numbered from 1
-    task = s.plan(state, 1, [0])[0]
+    assert s.plan(state, 2, [0], {})[0].config["phase"] == 1  # rounds are numbered from 1
+    task = s.plan(state, 1, [0], {})[0]
     assert task.config["phase"] == 1
     update = s.train(task, _device(tmp_path, 0, 1))
     assert set(update.tensors) == set(s._shapes)
     update.device_id = 0
     state = s.finalize(state, s.reduce(Partial(), update), 1)
     assert state.meta["personal"] == []  # a phase-1 upload does not make the representation personal
-    assert s.plan(state, 3, [0])[0].config["phase"] == 2
+    assert s.plan(state, 3, [0], {})[0].config["phase"] == 2
 
 
 def test_head_mean_is_sample_weighted_and_validation_rejects_the_representation(tmp_path: Path) -> None:

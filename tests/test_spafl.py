@@ -155,7 +155,7 @@ def _fl_rounds(exp: Experiment, root: Path, rounds: int, devices: list[int]) -> 
     s = exp.strategy
     state = s.init_state()
     for r in range(1, rounds + 1):
-        tasks = s.plan(state, r, devices)
+        tasks = s.plan(state, r, devices, {})
         partial = Partial()
         for d in devices:
             partial = s.reduce(partial, s.train(tasks[d], _ctx(exp, d, r, root)))
@@ -221,7 +221,7 @@ def test_collapse_guard_resets_a_dying_layer(tmp_path: Path) -> None:
         )
         strategy = exp.strategy
         assert isinstance(strategy, SpaFL)
-        task = strategy.plan(strategy.init_state(), 1, [0])[0]
+        task = strategy.plan(strategy.init_state(), 1, [0], {})[0]
         update = strategy.train(task, _ctx(exp, 0, 1, tmp_path / f"r{reset}" / "state"))
         net = strategy.personal_model(tmp_path / f"r{reset}" / "state" / "device-0")
         _, _, per_layer = densities(net)
@@ -240,7 +240,9 @@ def test_regulariser_pushes_thresholds_up(tmp_path: Path) -> None:
     for alpha in (0.0, 0.002, 0.01):
         exp = _experiment(tmp_path / f"a{alpha}", algorithm={"name": "spafl", "options": {"alpha": alpha}})
         s = exp.strategy
-        update = s.train(s.plan(s.init_state(), 1, [0])[0], _ctx(exp, 0, 1, tmp_path / f"a{alpha}" / "st"))
+        update = s.train(
+            s.plan(s.init_state(), 1, [0], {})[0], _ctx(exp, 0, 1, tmp_path / f"a{alpha}" / "st")
+        )
         means.append(float(np.mean(np.concatenate([_arr(t) for t in update.tensors.values()]))))
     assert means[0] < means[1] < means[2]
     assert means[2] > 0.0
@@ -254,7 +256,7 @@ def test_payloads_are_threshold_vectors_only(tmp_path: Path) -> None:
     assert (s.tau_num, s.d) == (202, 17024)
     state = s.init_state()
     assert not any("weight" in k for k in state.arrays)  # the server holds no weights
-    first = s.plan(state, 1, [0, 1])
+    first = s.plan(state, 1, [0, 1], {})
     assert first[0] is first[1]  # one task for all: encoded once
     assert set(first[0].tensors) == {"tau/fc1", "tau/fc2", "tau/fc3"}
     update = s.train(first[0], _ctx(exp, 0, 1, tmp_path / "st"))
@@ -263,7 +265,7 @@ def test_payloads_are_threshold_vectors_only(tmp_path: Path) -> None:
         assert isinstance(t, codec.Threshold) and t.array.dtype == np.float32
         assert t.array.shape == state.arrays[name].shape
     state = s.finalize(state, s.reduce(Partial(), update), 1)
-    second = s.plan(state, 2, [3])[3]
+    second = s.plan(state, 2, [3], {})[3]
     assert set(second.tensors) == {f"{p}fc{i}" for p in (TAU, DTAU) for i in (1, 2, 3)}
     assert all(isinstance(t, codec.Threshold) for t in second.tensors.values())
     # a weight tensor in an update is refused
@@ -275,10 +277,10 @@ def test_payloads_are_threshold_vectors_only(tmp_path: Path) -> None:
         s.validate_update(dense_tau)
     # variants: w.o. (13) sends no Δτ; local-only sends nothing either way
     no13 = _experiment(tmp_path / "n", algorithm={"name": "spafl", "options": {"importance_update": False}})
-    assert set(no13.strategy.plan(state, 2, [0])[0].tensors) == {"tau/fc1", "tau/fc2", "tau/fc3"}
+    assert set(no13.strategy.plan(state, 2, [0], {})[0].tensors) == {"tau/fc1", "tau/fc2", "tau/fc3"}
     local = _experiment(tmp_path / "l", algorithm={"name": "spafl", "options": {"mode": "local_only"}})
     ls = local.strategy
-    assert ls.plan(ls.init_state(), 1, [0])[0].tensors == {}
+    assert ls.plan(ls.init_state(), 1, [0], {})[0].tensors == {}
     lu = ls.train(TaskSpec(), _ctx(local, 0, 1, tmp_path / "ls"))
     assert lu.tensors == {} and 0 < lu.metrics["density"] <= 1
 
@@ -296,7 +298,7 @@ def test_delta_since_last_seen_equals_the_server_delta_only_for_devices_that_saw
         s = exp.strategy
         state = s.init_state()
         for r, devices in schedule.items():
-            tasks = s.plan(state, r, devices)
+            tasks = s.plan(state, r, devices, {})
             assert any(k.startswith(DTAU) for k in tasks[devices[0]].tensors) == (
                 source == "server" and r > 1
             )
@@ -363,10 +365,10 @@ def test_device_state_survives_restart_and_redelivery(tmp_path: Path) -> None:
         untrained = s.personal_model(root / f"device-{d}").state_dict()
         assert all(torch.equal(untrained[k], w0[k]) for k in w0)
     state = s.init_state()
-    task1 = s.plan(state, 1, [0])[0]
+    task1 = s.plan(state, 1, [0], {})[0]
     u1 = s.train(task1, _ctx(exp, 0, 1, root))
     state = s.finalize(state, s.reduce(Partial(), u1), 1)
-    task2 = s.plan(state, 2, [0])[0]
+    task2 = s.plan(state, 2, [0], {})[0]
 
     # "restart": a fresh experiment and strategy object, as in a new client process
     s2 = _experiment(tmp_path).strategy

@@ -74,8 +74,8 @@ def test_local_steps_is_refused_by_algorithms_that_would_ignore_it(tmp_path: Pat
     train = {"local_steps": 3, "batch_size": 8}
     ok = Experiment.build(load_config(write_config(tmp_path / "a.yaml", train=train)))
     strategy = ok.strategy
-    assert strategy.task_flops(strategy.plan(strategy.init_state(), 1, [0])[0], 100) == (
-        strategy.task_flops(strategy.plan(strategy.init_state(), 1, [0])[0], 24)
+    assert strategy.task_flops(strategy.plan(strategy.init_state(), 1, [0], {})[0], 100) == (
+        strategy.task_flops(strategy.plan(strategy.init_state(), 1, [0], {})[0], 24)
     )  # 3 steps of 8 samples, however many samples the device has
     bad = Experiment.build(
         load_config(write_config(tmp_path / "b.yaml", train=train, algorithm={"name": "hermes"}))

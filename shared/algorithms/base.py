@@ -36,6 +36,12 @@ from shared.devices import TrainingFootprint, training_flops, training_footprint
 from shared.schemas import DeviceInfo
 from shared.seeding import derive_seed as derive_seed  # re-exported: strategies import it from here
 
+#: The registered devices the server plans for: device id → what the device registered (tier, sample
+#: count, profile with ``memory_bytes`` etc.). Passed to ``plan`` on every call rather than held by the
+#: strategy: a strategy that kept a reference into server state saw an empty fleet after the server
+#: replaced its registry on resume, and budget-aware algorithms silently planned differently.
+Fleet = Mapping[int, DeviceInfo]
+
 
 class NoOptions(BaseModel):
     """Options model for algorithms without options: any key is an error."""
@@ -160,18 +166,16 @@ class Strategy(ABC):
     def __init__(self, ctx: StrategyContext) -> None:
         self.ctx = ctx
         self.options = ctx.options
-        #: server half only: the registered devices (tier, sample count, profile with
-        #: ``memory_bytes`` etc.), kept live by the server. Why: width-sliced and partial-training
-        #: algorithms size each device's task by its budget in ``plan``. Empty on clients and
-        #: aggregators, and for devices that have not registered.
-        self.fleet: Mapping[int, DeviceInfo] = {}
 
     # -- server half -------------------------------------------------------------------------------
     @abstractmethod
     def init_state(self) -> ServerState: ...
 
     @abstractmethod
-    def plan(self, state: ServerState, round: int, devices: list[int]) -> dict[int, TaskSpec]: ...
+    def plan(self, state: ServerState, round: int, devices: list[int], fleet: Fleet) -> dict[int, TaskSpec]:
+        """Each selected device's task for ``round``. ``fleet`` holds every registered device (not
+        only ``devices``): budget-aware algorithms size a task by the device's memory budget, and
+        fixed type mixes (EmbracingFL) are drawn over the whole registered fleet."""
 
     @abstractmethod
     def finalize(self, state: ServerState, partial: Partial | None, round: int) -> ServerState:
@@ -184,7 +188,7 @@ class Strategy(ABC):
     def density(self, state: ServerState) -> float:
         return 1.0
 
-    def plan_evaluation(self, state: ServerState, devices: list[int]) -> dict[int, TaskSpec]:
+    def plan_evaluation(self, state: ServerState, devices: list[int], fleet: Fleet) -> dict[int, TaskSpec]:
         """What each device receives for the all-device evaluation after the last round.
 
         Default: nothing — a personalised model lives on the device. Algorithms whose personal model

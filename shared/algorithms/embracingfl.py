@@ -62,6 +62,7 @@ from torch import nn
 from shared import codec
 from shared.algorithms.base import (
     DeviceContext,
+    Fleet,
     Partial,
     ServerState,
     Strategy,
@@ -195,9 +196,9 @@ class EmbracingFL(Strategy):
             batch_size=self.ctx.train.batch_size,
         )
 
-    def _mix_types(self, devices: list[int]) -> dict[int, ClientType]:
+    def _mix_types(self, devices: list[int], fleet: Fleet) -> dict[int, ClientType]:
         """Fixed types for the registered devices: exact shares (largest remainder), seeded permutation."""
-        ids = sorted(self.fleet) if self.fleet else list(range(max(devices, default=-1) + 1))
+        ids = sorted(fleet) if fleet else list(range(max(devices, default=-1) + 1))
         cached = self._mix_cache.get(tuple(ids))
         if cached is not None:
             return cached
@@ -229,9 +230,9 @@ class EmbracingFL(Strategy):
             self._budget_cache[memory_bytes] = hit
         return hit
 
-    def assign(self, device: int, devices: list[int]) -> tuple[int, Chunks, str]:
+    def assign(self, device: int, devices: list[int], fleet: Fleet) -> tuple[int, Chunks, str]:
         """(cut, prefix chunks, type label) of ``device`` this round (server half)."""
-        info = self.fleet.get(device)
+        info = fleet.get(device)
         L = self.split.num_blocks
         if not self.opts.partial_training:
             return 1, [], "strong"
@@ -242,7 +243,7 @@ class EmbracingFL(Strategy):
             return cut, chunks, "strong" if cut == 1 else ("partial" if cut < L else "head-only")
         kind: ClientType
         if mode == "mix":
-            kind = self._mix_types(devices)[device]
+            kind = self._mix_types(devices, fleet)[device]
         else:
             tier = info.tier if info is not None else "default"
             kind = self.opts.tier_types.get(tier, "strong")
@@ -257,14 +258,14 @@ class EmbracingFL(Strategy):
     def init_state(self) -> ServerState:
         return ServerState(model_arrays(self.ctx.model_factory()))
 
-    def plan(self, state: ServerState, round: int, devices: list[int]) -> dict[int, TaskSpec]:
+    def plan(self, state: ServerState, round: int, devices: list[int], fleet: Fleet) -> dict[int, TaskSpec]:
         # Downlink = the full model for everyone (spec §2.3: the prefix arrives in chunks, total bytes
         # unchanged). Devices with the same cut share one TaskSpec, which the server encodes once.
         tensors: dict[str, codec.Tensor] = {k: codec.Dense(state.arrays[k]) for k in self._float_names(state)}
         shared: dict[Hashable, TaskSpec] = {}
         out: dict[int, TaskSpec] = {}
         for dev in devices:
-            cut, chunks, kind = self.assign(dev, devices)
+            cut, chunks, kind = self.assign(dev, devices, fleet)
             config: dict[str, Any] = {
                 "cut": cut,
                 "chunks": [list(c) for c in chunks],
@@ -274,7 +275,7 @@ class EmbracingFL(Strategy):
                 "download_messages": len(chunks) + 1,
             }
             if self.opts.cache_in_memory:
-                info = self.fleet.get(dev)
+                info = fleet.get(dev)
                 config["num_samples"] = int(info.num_samples) if info is not None else 0
             key = (cut, tuple(chunks), kind, config.get("num_samples"))
             if key not in shared:

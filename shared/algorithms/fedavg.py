@@ -15,6 +15,7 @@ import numpy as np
 from shared import codec
 from shared.algorithms.base import (
     DeviceContext,
+    Fleet,
     Partial,
     ServerState,
     Strategy,
@@ -37,7 +38,7 @@ class FedAvg(Strategy):
     def _float_names(self, state: ServerState) -> list[str]:
         return [k for k, v in state.arrays.items() if v.dtype.kind == "f"]
 
-    def plan(self, state: ServerState, round: int, devices: list[int]) -> dict[int, TaskSpec]:
+    def plan(self, state: ServerState, round: int, devices: list[int], fleet: Fleet) -> dict[int, TaskSpec]:
         # One TaskSpec object for everyone: the server encodes it once and reuses the bytes.
         task = TaskSpec({k: codec.Dense(state.arrays[k]) for k in self._float_names(state)})
         return dict.fromkeys(devices, task)

@@ -34,6 +34,7 @@ from pydantic import Field
 from shared import codec
 from shared.algorithms.base import (
     DeviceContext,
+    Fleet,
     ServerState,
     TaskSpec,
     derive_seed,
@@ -111,14 +112,14 @@ class FedDSE(WidthSliceStrategy):
         n = self.dse.inference_size
         return num_samples if n is None else min(n, num_samples)
 
-    def plan(self, state: ServerState, round: int, devices: list[int]) -> dict[int, TaskSpec]:
+    def plan(self, state: ServerState, round: int, devices: list[int], fleet: Fleet) -> dict[int, TaskSpec]:
         dense: dict[str, codec.Tensor] = {k: codec.Dense(state.arrays[k]) for k in self.structure.shapes}
         shared: dict[float, TaskSpec] = {}
         out: dict[int, TaskSpec] = {}
         for dev in devices:
             # The paper assumes full-model inference fits wherever the sub-model trains (§4.1); it
             # need not: ``task_extra_peak`` makes the device's admission check the scoring pass too.
-            rate = self.rate_for(dev, round)
+            rate = self.rate_for(dev, round, fleet)
             if rate not in shared:
                 shared[rate] = TaskSpec(dense, {"rate": rate})
             out[dev] = shared[rate]

@@ -23,7 +23,7 @@ from typing import Literal
 import numpy as np
 from pydantic import Field
 
-from shared.algorithms.base import ServerState, TaskSpec
+from shared.algorithms.base import Fleet, ServerState, TaskSpec
 from shared.algorithms.heterofl import WidthSliceStrategy
 from shared.models.width_slice import Counts, Selection, WidthOptions
 
@@ -53,6 +53,6 @@ class FedRolex(WidthSliceStrategy):
     #: K of the per-client roll: the number of devices planned in the current round
     _planned: int = 1
 
-    def plan(self, state: ServerState, round: int, devices: list[int]) -> dict[int, TaskSpec]:
+    def plan(self, state: ServerState, round: int, devices: list[int], fleet: Fleet) -> dict[int, TaskSpec]:
         self._planned = max(1, len(devices))
-        return super().plan(state, round, devices)
+        return super().plan(state, round, devices, fleet)

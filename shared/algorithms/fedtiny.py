@@ -47,6 +47,7 @@ from torch import nn
 from shared import codec
 from shared.algorithms.base import (
     DeviceContext,
+    Fleet,
     Partial,
     ServerState,
     Strategy,
@@ -180,7 +181,7 @@ class DynamicPruning(Strategy):
     def masks(self, state: ServerState, prefix: str = MASK) -> dict[str, np.ndarray]:
         return {n: np.asarray(state.arrays[prefix + n], dtype=np.bool_) for n in self.prunable}
 
-    def plan(self, state: ServerState, round: int, devices: list[int]) -> dict[int, TaskSpec]:
+    def plan(self, state: ServerState, round: int, devices: list[int], fleet: Fleet) -> dict[int, TaskSpec]:
         r = round - 1
         adjust = self.is_adjust(r)
         masks = self.masks(state)

@@ -48,6 +48,7 @@ from shared import codec
 from shared.algorithms.base import (
     DeviceContext,
     DeviceData,
+    Fleet,
     Partial,
     ServerState,
     Strategy,
@@ -175,7 +176,7 @@ class Hermes(Strategy):
         model = self.ctx.model_factory()
         return ServerState(model_arrays(model), {"prune_events": 0.0})
 
-    def plan(self, state: ServerState, round: int, devices: list[int]) -> dict[int, TaskSpec]:
+    def plan(self, state: ServerState, round: int, devices: list[int], fleet: Fleet) -> dict[int, TaskSpec]:
         # Devices with the same mask share one TaskSpec object: the server encodes it once.
         shared: dict[bytes, TaskSpec] = {}
         out: dict[int, TaskSpec] = {}
@@ -325,9 +326,9 @@ class Hermes(Strategy):
         return UpdateSpec(tensors, num_samples=len(data.y_train), metrics=metrics)
 
     # -- the all-device evaluation after the last round ------------------------------------------------
-    def plan_evaluation(self, state: ServerState, devices: list[int]) -> dict[int, TaskSpec]:
+    def plan_evaluation(self, state: ServerState, devices: list[int], fleet: Fleet) -> dict[int, TaskSpec]:
         """Every device gets ``W_final ⊙ M_k`` (its download-time model), as in ``plan``."""
-        return self.plan(state, -1, devices)
+        return self.plan(state, -1, devices, fleet)
 
     def evaluate_device(self, task: TaskSpec, device: DeviceContext) -> dict[str, float] | None:
         """Both personalised models on the device's own test split, without training.

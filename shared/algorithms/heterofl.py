@@ -44,6 +44,7 @@ from torch import nn
 from shared import codec
 from shared.algorithms.base import (
     DeviceContext,
+    Fleet,
     Partial,
     ServerState,
     Strategy,
@@ -107,10 +108,10 @@ class WidthSliceStrategy(Strategy):
     def counts_for(self, rate: float) -> Counts:
         return self.structure.counts(rate, self.opts.rounding)
 
-    def budget_rate(self, device: int) -> float | None:
+    def budget_rate(self, device: int, fleet: Fleet) -> float | None:
         """Largest rate of ``budget_grid`` whose training footprint fits the device's memory budget
         (None without a budget; the smallest rate if none fits, so admission refuses it visibly)."""
-        info = self.fleet.get(device)
+        info = fleet.get(device)
         budget = None if info is None else info.profile.get("memory_bytes")
         if budget is None:
             return None
@@ -118,19 +119,19 @@ class WidthSliceStrategy(Strategy):
         fitting = [r for r in grid if self.task_footprint(TaskSpec(config={"rate": r})).total <= int(budget)]
         return fitting[-1] if fitting else grid[0]
 
-    def rate_for(self, device: int, round: int) -> float:
+    def rate_for(self, device: int, round: int, fleet: Fleet) -> float:
         """The device's width ratio this round (deterministic in seed, round and device)."""
         o = self.opts
         if o.capacity == "budget":
-            fit = self.budget_rate(device)
+            fit = self.budget_rate(device, fleet)
             if fit is not None:
                 return fit
-            info = self.fleet.get(device)
+            info = fleet.get(device)
             return o.tier_rates.get(info.tier, o.fixed_rate) if info is not None else o.fixed_rate
         rng = np.random.default_rng(derive_seed(self.ctx.seed, "capacity", round, device) % (2**32))
         rate = sample_rate(o, rng)
         if o.cap_by_budget:
-            fit = self.budget_rate(device)
+            fit = self.budget_rate(device, fleet)
             if fit is not None:
                 rate = min(rate, fit)
         return rate
@@ -148,12 +149,12 @@ class WidthSliceStrategy(Strategy):
             arrays[LASTSEL + h] = np.zeros(self.structure.layers[h].units, dtype=np.int64)
         return ServerState(arrays, {})
 
-    def plan(self, state: ServerState, round: int, devices: list[int]) -> dict[int, TaskSpec]:
+    def plan(self, state: ServerState, round: int, devices: list[int], fleet: Fleet) -> dict[int, TaskSpec]:
         # Devices with the same slice share one TaskSpec object: the server encodes it once.
         shared: dict[tuple[Any, ...], TaskSpec] = {}
         out: dict[int, TaskSpec] = {}
         for pos, dev in enumerate(devices):
-            rate = self.rate_for(dev, round)
+            rate = self.rate_for(dev, round, fleet)
             sel = self.choose(round, dev, pos, self.counts_for(rate))
             key = (rate, *(sel[h].tobytes() for h in self.structure.hidden))
             if key not in shared:

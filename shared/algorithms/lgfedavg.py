@@ -37,6 +37,7 @@ from shared import codec
 from shared.algorithms import device_state
 from shared.algorithms.base import (
     DeviceContext,
+    Fleet,
     Partial,
     ServerState,
     Strategy,
@@ -95,7 +96,7 @@ class LGFedAvg(Strategy):
     def init_state(self) -> ServerState:
         return ServerState(model_arrays(self.ctx.model_factory()), {"personal": []})
 
-    def plan(self, state: ServerState, round: int, devices: list[int]) -> dict[int, TaskSpec]:
+    def plan(self, state: ServerState, round: int, devices: list[int], fleet: Fleet) -> dict[int, TaskSpec]:
         warm = round <= self.opts.warmup_rounds  # the server numbers rounds from 1
         personal = set(state.meta.get("personal", []))
         full = TaskSpec({k: codec.Dense(state.arrays[k]) for k in self._shapes}, {"phase": 1 if warm else 2})
@@ -115,8 +116,8 @@ class LGFedAvg(Strategy):
         personal |= {int(k.split("/", 1)[1]) for k in partial.arrays if k.startswith("local/")}
         return ServerState(arrays, {**state.meta, "personal": sorted(personal)})
 
-    def plan_evaluation(self, state: ServerState, devices: list[int]) -> dict[int, TaskSpec]:
-        return self.plan(state, self.opts.warmup_rounds + 1, devices)
+    def plan_evaluation(self, state: ServerState, devices: list[int], fleet: Fleet) -> dict[int, TaskSpec]:
+        return self.plan(state, self.opts.warmup_rounds + 1, devices, fleet)
 
     # -- client half -----------------------------------------------------------------------------------
     def _model(self, task: TaskSpec, device: DeviceContext, *, latest: bool = False) -> tuple[Any, bool]:

@@ -51,6 +51,7 @@ from torch import nn
 from shared import codec
 from shared.algorithms.base import (
     DeviceContext,
+    Fleet,
     Partial,
     ServerState,
     Strategy,
@@ -259,7 +260,7 @@ class SpaFL(Strategy):
             arrays[DTAU + li.name] = np.zeros(li.n_out, dtype=np.float32)
         return ServerState(arrays, {"dtau_valid": False})
 
-    def plan(self, state: ServerState, round: int, devices: list[int]) -> dict[int, TaskSpec]:
+    def plan(self, state: ServerState, round: int, devices: list[int], fleet: Fleet) -> dict[int, TaskSpec]:
         tensors: dict[str, codec.Tensor] = {}
         if self.opts.mode == "spafl":
             tensors = {TAU + li.name: codec.Threshold(state.arrays[TAU + li.name]) for li in self.layers}

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from shared import codec
 from shared.algorithms.base import (
     DeviceContext,
+    Fleet,
     Partial,
     ServerState,
     Strategy,
@@ -65,7 +66,7 @@ class Standalone(Strategy):
     def init_state(self) -> ServerState:
         return ServerState({}, {"updates": 0.0})
 
-    def plan(self, state: ServerState, round: int, devices: list[int]) -> dict[int, TaskSpec]:
+    def plan(self, state: ServerState, round: int, devices: list[int], fleet: Fleet) -> dict[int, TaskSpec]:
         task = TaskSpec({})
         return dict.fromkeys(devices, task)
 

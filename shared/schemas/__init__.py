@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import uuid
 from enum import StrEnum
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from shared import codec
 
@@ -51,6 +52,54 @@ class _Body(BaseModel):
 
 #: An encoded tensor: the codec's msgpack-ready mapping (validated in depth by ``codec.decode``).
 EncodedTensor = dict[str, Any]
+
+
+class MetricKey(StrEnum):
+    """The names of the numbers devices report (``Update.metrics``, ``EvalResult.metrics``) that the
+    framework itself reads. One place, so the server, the ledger and every algorithm agree.
+
+    An algorithm may report further numbers under names of its own (diagnostics such as SpaFL's
+    ``train_flops_paper``); they reach ``rounds.csv`` as ``m_<name>`` columns untouched.
+    """
+
+    #: mean training loss over the task's minibatches
+    TRAIN_LOSS = "train_loss"
+    #: SGD steps the task took
+    STEPS = "steps"
+    #: training FLOPs of the task (set by the client from the strategy's accounting)
+    TRAIN_FLOPS = "train_flops"
+    #: the device's own model on its own test split (personalised algorithms)
+    EVAL_ACCURACY = "eval_accuracy"
+    EVAL_LOSS = "eval_loss"
+    #: size of that test split: the weight of the device's accuracy in the mean
+    EVAL_SAMPLES = "eval_samples"
+    #: fraction of the model's weights kept (sparse and pruned algorithms)
+    DENSITY = "density"
+
+
+def _finite(value: float) -> float:
+    if not math.isfinite(value):
+        raise ValueError("must be a finite number")
+    return value
+
+
+#: A reported number: finite (NaN or infinity would poison every mean it enters).
+FiniteFloat = Annotated[float, AfterValidator(_finite)]
+#: A metric name: short and printable, so it can become a CSV column and a log field.
+MetricName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:/-]+$")]
+#: Numbers a device reports with a result, by name (``MetricKey`` for the ones the framework reads).
+Metrics = Annotated[dict[MetricName, FiniteFloat], Field(max_length=256)]
+
+
+class Timings(_Body):
+    """Emulated seconds of one task on the device's virtual clock."""
+
+    download_s: FiniteFloat = Field(0.0, ge=0)
+    compute_s: FiniteFloat = Field(0.0, ge=0)
+    upload_s: FiniteFloat = Field(0.0, ge=0)
+
+    def total(self) -> float:
+        return self.download_s + self.compute_s + self.upload_s
 
 
 class DeviceInfo(_Body):
@@ -98,11 +147,11 @@ class Update(_Body):
     device_id: int = Field(ge=0)
     num_samples: int = Field(ge=0)
     tensors: dict[str, EncodedTensor] = Field(default_factory=dict)
-    metrics: dict[str, float] = Field(default_factory=dict)
+    metrics: Metrics = Field(default_factory=dict)
     #: wire bytes of the task this update answers (so the server can account per device)
     task_bytes: int = Field(0, ge=0)
     #: emulated seconds: download, compute, upload (virtual clock)
-    timings: dict[str, float] = Field(default_factory=dict)
+    timings: Timings = Field(default_factory=Timings)
     #: the task's token (:func:`task_token`), echoed back: proves the sender received this device's task
     token: str = ""
 
@@ -115,8 +164,8 @@ class Receipt(_Body):
     update_bytes: int = Field(ge=0)
     dense_bytes: int = Field(ge=0)
     num_samples: int = Field(ge=0)
-    metrics: dict[str, float] = Field(default_factory=dict)
-    timings: dict[str, float] = Field(default_factory=dict)
+    metrics: Metrics = Field(default_factory=dict)
+    timings: Timings = Field(default_factory=Timings)
 
 
 class Reject(_Body):
@@ -161,7 +210,7 @@ class EvalResult(_Body):
     device_id: int = Field(ge=0)
     #: False when the algorithm keeps no personalised model (nothing was evaluated)
     supported: bool = True
-    metrics: dict[str, float] = Field(default_factory=dict)
+    metrics: Metrics = Field(default_factory=dict)
     #: the task's token (:func:`task_token`), echoed back: proves the sender received this device's task
     token: str = ""
 

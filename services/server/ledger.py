@@ -1,0 +1,253 @@
+"""The run ledger: every number a run reports, kept in one place and written to ``runs/<run-id>/``.
+
+Why separate from the server's round logic: the rows of ``rounds.csv``, the per-device statistics of
+``devices.csv``, the byte totals and the Prometheus counters must agree with each other whatever
+path a round took (completed, below quorum, resumed from a checkpoint). The server decides *what
+happened*; the ledger turns it into rows, totals and metrics, and writes them — the same way every
+time, and restorable from a checkpoint.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from services.server.round import EvaluationState, RoundState
+from shared import metrics
+from shared.results import DeviceStats, plot_run, write_devices, write_rounds, write_summary
+from shared.schemas import DeviceInfo, MetricKey
+
+#: device-reported metrics that have a column of their own in ``rounds.csv``
+_OWN_COLUMNS = {MetricKey.DENSITY, MetricKey.TRAIN_FLOPS, MetricKey.TRAIN_LOSS, MetricKey.EVAL_ACCURACY}
+_OWN_COLUMNS |= {MetricKey.EVAL_LOSS}
+#: per-device counters summed per tier in ``summary.json``
+_PER_DEVICE = ("selected", "completed", "rejected", "dropped", "bytes_up", "bytes_down", "virtual_seconds")
+
+
+@dataclass
+class RoundOutcome:
+    """What the server decided about a finished round, for the ledger to record."""
+
+    outcome: str
+    participants: list[int]
+    #: the server-side evaluation (global model) or the participants' own (personalised)
+    evaluation: dict[str, float]
+    #: sample-weighted means of what the participants reported
+    reported: dict[str, float]
+    density: float
+    virtual_seconds: float
+
+
+@dataclass
+class RunLedger:
+    experiment: str
+    algorithm: str
+    devices: dict[int, DeviceStats] = field(default_factory=dict)
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    totals: dict[str, int] = field(
+        default_factory=lambda: {"bytes_up": 0, "bytes_down": 0, "dense_bytes_up": 0, "dense_bytes_down": 0}
+    )
+    #: wall seconds spent before a resume
+    wall_offset: float = 0.0
+    started: float = field(default_factory=time.time)
+
+    @property
+    def labels(self) -> tuple[str, str]:
+        return (self.experiment, self.algorithm)
+
+    # -- devices -----------------------------------------------------------------------------------
+    def stats(self, device: int) -> DeviceStats:
+        st = self.devices.get(device)
+        if st is None:
+            st = self.devices[device] = DeviceStats(device)
+        return st
+
+    def registered(self, registry: dict[int, DeviceInfo]) -> None:
+        """Refresh the per-tier gauge of registered devices."""
+        tiers: dict[str, int] = {}
+        for info in registry.values():
+            tiers[info.tier] = tiers.get(info.tier, 0) + 1
+            self.stats(info.device_id).tier = info.tier
+        for tier, n in tiers.items():
+            metrics.REGISTERED_DEVICES.labels(self.experiment, tier).set(n)
+
+    def selected(self, rs: RoundState) -> None:
+        for dev in rs.selected:
+            st = self.stats(dev)
+            st.selected += 1
+            metrics.SELECTED.labels(*self.labels, st.tier).inc()
+
+    def task_sent(self, device: int, wire: int) -> None:
+        st = self.stats(device)
+        st.bytes_down += wire
+        metrics.DEVICE_ROUND_BYTES.labels(*self.labels, "down", st.tier).observe(wire)
+
+    def refused(self, reject_reason: str, device: int, footprint: int) -> None:
+        tier = self.stats(device).tier
+        metrics.REJECTIONS.labels(*self.labels, tier, reject_reason).inc()
+        metrics.MEMORY_FOOTPRINT_BYTES.labels(*self.labels, tier).set(footprint)
+
+    # -- rounds ------------------------------------------------------------------------------------
+    def record_round(self, rs: RoundState, result: RoundOutcome) -> dict[str, Any]:
+        """Account a finalized round: device statistics, byte totals, Prometheus, and its row."""
+        up, dense_up = self._uplink(rs)
+        for dev in result.participants:
+            st = self.stats(dev)
+            st.completed += 1
+            receipt = rs.receipts.get(dev)
+            if receipt is not None:
+                st.virtual_seconds += receipt.timings.total()
+            metrics.PARTICIPANTS.labels(*self.labels, st.tier).inc()
+        for dev in rs.rejects:
+            self.stats(dev).rejected += 1
+        dropped = rs.dropped()
+        for dev in dropped:
+            st = self.stats(dev)
+            st.dropped += 1
+            metrics.DROPOUTS.labels(*self.labels, st.tier, rs.drop_reason(dev)).inc()
+        metrics.ROUND_VIRTUAL_DURATION.labels(*self.labels).observe(result.virtual_seconds)
+        metrics.DENSITY.labels(*self.labels).set(result.density)
+        self.totals["bytes_up"] += up
+        self.totals["bytes_down"] += rs.down_bytes
+        self.totals["dense_bytes_up"] += dense_up
+        self.totals["dense_bytes_down"] += rs.dense_down
+        now = time.time()
+        ev, pm = result.evaluation, result.reported
+        row: dict[str, Any] = {
+            "round": rs.number,
+            "outcome": result.outcome,
+            "accuracy": ev.get("accuracy"),
+            "loss": ev.get("loss"),
+            "bytes_up": up,
+            "bytes_down": rs.down_bytes,
+            "dense_bytes_up": dense_up,
+            "dense_bytes_down": rs.dense_down,
+            "cum_bytes_up": self.totals["bytes_up"],
+            "cum_bytes_down": self.totals["bytes_down"],
+            "participants": len(result.participants),
+            "selected": len(rs.selected),
+            "rejected": len(rs.rejects),
+            "dropped": len(dropped),
+            "offline": rs.offline,
+            "wall_seconds": self.wall_offset + now - self.started,
+            "round_seconds": now - rs.started,
+            "virtual_seconds": result.virtual_seconds,
+            "density": result.density,
+            "train_flops": pm.get(MetricKey.TRAIN_FLOPS),
+            "train_loss": pm.get(MetricKey.TRAIN_LOSS),
+        }
+        # every other metric the devices reported (weighted mean), so algorithms need no server change
+        row.update({f"m_{k}": v for k, v in pm.items() if k not in _OWN_COLUMNS})
+        # and every other number the server-side evaluation returned (e.g. FedMef's accuracy before
+        # and after a mask adjustment), so diagnostics need no side channel
+        row.update({f"e_{k}": v for k, v in ev.items() if k not in ("accuracy", "loss")})
+        self.rows.append(row)
+        metrics.ROUND_DURATION.labels(*self.labels).observe(now - rs.started)
+        metrics.ROUNDS_COMPLETED.labels(*self.labels, result.outcome).inc()
+        metrics.ROUND_OPEN.labels(*self.labels).set(0)
+        return row
+
+    def _uplink(self, rs: RoundState) -> tuple[int, int]:
+        """Every update that reached an aggregator this round, aggregated or not (a round below
+        quorum still cost its devices the upload)."""
+        up = dense_up = 0
+        for dev, r in rs.receipts.items():
+            st = self.stats(dev)
+            up += r.update_bytes
+            dense_up += r.dense_bytes
+            st.bytes_up += r.update_bytes
+            metrics.DEVICE_ROUND_BYTES.labels(*self.labels, "up", st.tier).observe(r.update_bytes)
+        return up, dense_up
+
+    # -- results -----------------------------------------------------------------------------------
+    def write_rows(self, run_dir: Path) -> None:
+        """``rounds.csv`` so far (after every round: a live run can be plotted while it runs)."""
+        write_rounds(run_dir, self.rows)
+
+    def summary(self, meta: dict[str, Any], evaluation: EvaluationState | None) -> dict[str, Any]:
+        accs = [r["accuracy"] for r in self.rows if r.get("accuracy") is not None]
+        tiers: dict[str, dict[str, float]] = {}
+        for st in self.devices.values():
+            t = tiers.setdefault(st.tier, dict.fromkeys(("devices", *_PER_DEVICE), 0))
+            t["devices"] += 1
+            for k in _PER_DEVICE:
+                t[k] += getattr(st, k)
+        return {
+            **meta,
+            "rounds": len(self.rows),
+            "rounds_completed": sum(r["outcome"] == "completed" for r in self.rows),
+            "final_accuracy": accs[-1] if accs else None,
+            "best_accuracy": max(accs) if accs else None,
+            **self.totals,
+            "compression_up": self.totals["bytes_up"] / self.totals["dense_bytes_up"]
+            if self.totals["dense_bytes_up"]
+            else None,
+            "wall_seconds": self.rows[-1]["wall_seconds"] if self.rows else 0.0,
+            "virtual_seconds": sum(r["virtual_seconds"] for r in self.rows),
+            "final_density": self.rows[-1]["density"] if self.rows else 1.0,
+            "tiers": tiers,
+            **_evaluation_summary(evaluation),
+        }
+
+    def write(
+        self,
+        run_dir: Path,
+        meta: dict[str, Any],
+        arrays: dict[str, np.ndarray],
+        evaluation: EvaluationState | None,
+        title: str,
+    ) -> None:
+        """Write ``rounds.csv``, ``devices.csv``, ``summary.json``, the global model and the plots."""
+        if evaluation is not None:
+            for dev, result in evaluation.results.items():
+                if result.supported and MetricKey.EVAL_ACCURACY in result.metrics:
+                    self.stats(dev).eval_accuracy = result.metrics[MetricKey.EVAL_ACCURACY]
+        write_rounds(run_dir, self.rows)
+        write_devices(run_dir, list(self.devices.values()))
+        write_summary(run_dir, self.summary(meta, evaluation))
+        np.savez(run_dir / "global_model.npz", **arrays)  # type: ignore[arg-type]
+        plot_run(run_dir, self.rows, title)
+
+    # -- checkpoint --------------------------------------------------------------------------------
+    def to_checkpoint(self) -> dict[str, Any]:
+        return {
+            "devices": [asdict(s) for s in self.devices.values()],
+            "rows": self.rows,
+            "totals": self.totals,
+            "wall_seconds": self.wall_offset + time.time() - self.started,
+        }
+
+    def restore(self, meta: dict[str, Any]) -> None:
+        self.devices = {d["device_id"]: DeviceStats(**d) for d in meta["devices"]}
+        self.rows = meta["rows"]
+        self.totals = meta["totals"]
+        self.wall_offset = float(meta["wall_seconds"])
+
+
+def _evaluation_summary(evaluation: EvaluationState | None) -> dict[str, Any]:
+    """All-device personalised results (mean over devices, weighted by test samples, best)."""
+    if evaluation is None:
+        return {}
+    results = [
+        r.metrics for r in evaluation.results.values() if r.supported and MetricKey.EVAL_ACCURACY in r.metrics
+    ]
+    if not results:
+        return {}
+    accs = [m[MetricKey.EVAL_ACCURACY] for m in results]
+    weights = [m.get(MetricKey.EVAL_SAMPLES, 1.0) for m in results]
+    out: dict[str, Any] = {
+        "evaluated_devices": len(results),
+        "personal_accuracy_mean": float(np.mean(accs)),
+        "personal_accuracy_weighted": float(np.average(accs, weights=weights)) if sum(weights) else None,
+        "personal_accuracy_best": max(accs),
+        "personal_accuracy_worst": min(accs),
+        "bytes_eval_down": evaluation.down_bytes,
+    }
+    densities = [m[MetricKey.DENSITY] for m in results if MetricKey.DENSITY in m]
+    if densities:
+        out["personal_density_mean"] = float(np.mean(densities))
+    return out
