@@ -42,7 +42,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.cli import run_inproc_once  # noqa: E402
+from services.orchestrator import run_inproc_once  # noqa: E402
 from shared.algorithms.base import load_arrays  # noqa: E402
 from shared.config import parse_config  # noqa: E402
 from shared.experiment import Experiment  # noqa: E402

@@ -46,7 +46,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.cli import run_inproc_once  # noqa: E402
+from services.orchestrator import run_inproc_once  # noqa: E402
 from shared.algorithms.base import ServerState, load_arrays  # noqa: E402
 from shared.algorithms.hermes import Hermes, read_device_logs  # noqa: E402
 from shared.algorithms.training import evaluate  # noqa: E402

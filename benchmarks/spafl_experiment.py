@@ -35,7 +35,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.cli import _run_inproc  # noqa: E402
+from services.orchestrator import run_inproc  # noqa: E402
 from services.server.service import Server  # noqa: E402
 from shared.algorithms.base import DeviceContext, TaskSpec, UpdateSpec, load_arrays  # noqa: E402
 from shared.algorithms.spafl import SpaFL, densities  # noqa: E402
@@ -138,7 +138,7 @@ def run_one(cfg_dict: dict[str, Any], run_dir: Path) -> dict[str, Any]:
             }
         )
 
-    rc = _run_inproc(cfg, run_dir, run_id, exp=exp, on_round=after_round)
+    rc = run_inproc(cfg, run_dir, run_id, exp=exp, on_round=after_round)
     if rc != 0:
         raise SystemExit(f"{run_id} failed (rc {rc})")
     best = max(per_round, key=lambda r: r["acc_mean"])

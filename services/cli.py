@@ -9,32 +9,23 @@ a results table and leaves ``runs/<run-id>/``. The per-service commands (``serve
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import os
 import re
-import shutil
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
+from services import orchestrator
+from services.report import print_report
 from shared.config import ConfigError, ExperimentConfig, Settings, dump_config, load_config
-from shared.results import read_rounds, read_summary
-
-if TYPE_CHECKING:  # heavy imports (torch) stay out of the CLI's start-up path
-    from services.server.service import Server
-    from shared.experiment import Experiment
+from shared.results import read_summary, write_summary
 
 console = Console(stderr=True)
 DEFAULT_PORTS = {"server": 9100, "aggregator": 9101, "client": 9102}
@@ -215,22 +206,6 @@ def cmd_healthcheck(args: argparse.Namespace) -> int:
 
 
 # -- run: the whole experiment on this machine -----------------------------------------------------
-def _free_port(preferred: int) -> int:
-    for port in [preferred, 0]:
-        with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
-            try:
-                s.bind(("0.0.0.0", port))
-                return int(s.getsockname()[1])
-            except OSError:
-                continue
-    raise RuntimeError("no free port")
-
-
-def _client_ranges(num_devices: int, clients: int) -> list[list[int]]:
-    clients = min(clients, num_devices)
-    return [list(range(num_devices))[i::clients] for i in range(clients)]
-
-
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = _load(args.config)
     if args.rounds:
@@ -267,342 +242,24 @@ def cmd_run(args: argparse.Namespace) -> int:
             transport = "inproc"
     console.print(f"run [bold]{run_id}[/bold] · {cfg.algorithm.name} · {transport} · results in {run_dir}")
     started = time.time()
-    rc = (
-        _run_inproc(cfg, run_dir, run_id)
-        if transport == "inproc"
-        else _run_processes(cfg, run_dir, run_id, args)
-    )
+    if transport == "inproc":
+        rc = orchestrator.run_inproc(cfg, run_dir, run_id)
+    else:
+        rc = orchestrator.run_processes(
+            cfg,
+            run_dir,
+            run_id,
+            settings.rabbitmq_url,
+            aggregators=args.aggregators or cfg.processes.aggregators,
+            clients=args.clients or cfg.processes.clients,
+            base_port=args.metrics_base_port,
+        )
     if rc == 0:
         summary = read_summary(run_dir)
         summary["wall_seconds_total"] = time.time() - started
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_summary(run_dir, summary)
         print_report(run_dir)
     return rc
-
-
-def _progress() -> Progress:
-    return Progress(
-        TextColumn("[bold]round {task.completed:.0f}/{task.total:.0f}"),
-        BarColumn(),
-        TextColumn("acc {task.fields[acc]}"),
-        TextColumn("· {task.fields[mb]} MB"),
-        TimeElapsedColumn(),
-        console=console,
-        transient=False,
-    )
-
-
-def _advance(progress: Progress, task_id: Any, rows: list[dict[str, Any]]) -> None:
-    if not rows:
-        return
-    last = rows[-1]
-    accs = [r["accuracy"] for r in rows if r.get("accuracy") is not None]
-    mb = (last["cum_bytes_up"] + last["cum_bytes_down"]) / 1e6
-    progress.update(task_id, completed=len(rows), acc=f"{accs[-1]:.3f}" if accs else "-", mb=f"{mb:.1f}")
-
-
-def _run_inproc(
-    cfg: ExperimentConfig,
-    run_dir: Path,
-    run_id: str,
-    *,
-    exp: Experiment | None = None,
-    on_round: Callable[[Server], None] | None = None,
-) -> int:
-    """Run every service of the experiment in this process, over the in-process broker.
-
-    ``exp`` lets a caller pass an experiment it has instrumented (e.g. a wrapped ``strategy.train``),
-    and ``on_round(server)`` is called as soon as a round's row is written, before any device
-    trains for the next round — the hook the benchmark scripts use to evaluate every device after
-    every round, without a copy of this loop.
-    """
-    from services.aggregator.service import Aggregator
-    from services.client.service import Client
-    from services.common import setup_logging
-    from services.server.service import Server
-    from shared.experiment import Experiment
-    from shared.transport.inproc import InprocBroker, InprocTransport
-
-    setup_logging("WARNING")
-    exp = exp if exp is not None else Experiment.build(cfg)
-    broker = InprocBroker()
-    server = Server(InprocTransport(broker, run_id), exp, run_dir, experiment_id=run_id)
-    services: list[Any] = [server]
-    for i in range(cfg.processes.aggregators):
-        services.append(
-            Aggregator(
-                InprocTransport(broker, run_id),
-                exp.strategy,
-                experiment_id=run_id,
-                algorithm=cfg.algorithm.name,
-                aggregator_id=f"agg-{i}",
-                prefetch=cfg.processes.prefetch,
-                max_bytes=cfg.processes.max_message_bytes,
-            )
-        )
-    for i, devs in enumerate(_client_ranges(cfg.num_devices, cfg.processes.clients)):
-        services.append(
-            Client(
-                InprocTransport(broker, run_id),
-                exp,
-                experiment_id=run_id,
-                client_id=f"client-{i}",
-                device_ids=devs,
-                state_dir=run_dir / "device-state",
-            )
-        )
-    with _progress() as progress:
-        task_id = progress.add_task("rounds", total=cfg.rounds, acc="-", mb="0.0")
-        seen_rows = 0
-        while not server.stopped:
-            for s in services:
-                s.transport.process(0)
-                s.tick()
-                if on_round is not None and len(server.rows) > seen_rows:
-                    seen_rows = len(server.rows)
-                    on_round(server)
-            _advance(progress, task_id, server.rows)
-            if broker.pending() == 0:
-                time.sleep(0.001)
-    return 1 if server.error else 0
-
-
-def run_inproc_once(cfg: ExperimentConfig, run_dir: Path, run_id: str, *, force: bool = False) -> bool:
-    """Run ``cfg`` in process into ``run_dir`` (with its resolved ``config.yaml``) unless a finished
-    run is already there; True if it ran.
-
-    Why: the benchmark scripts run dozens of configurations and are invoked again to add a row or
-    re-render a table, so a finished run (its ``summary.json``) is reused and a half-written one is
-    replaced. A failed run raises: a table must not quietly lose a row.
-    """
-    if (run_dir / "summary.json").exists() and not force:
-        return False
-    shutil.rmtree(run_dir, ignore_errors=True)
-    run_dir.mkdir(parents=True)
-    (run_dir / "config.yaml").write_text(dump_config(cfg))
-    started = time.time()
-    rc = _run_inproc(cfg, run_dir, run_id)
-    if rc != 0:
-        raise RuntimeError(f"{cfg.name}: the in-process run failed (exit code {rc}), see {run_dir}")
-    print(f"  {cfg.name}: {time.time() - started:.0f}s", file=sys.stderr, flush=True)
-    return True
-
-
-def _run_processes(cfg: ExperimentConfig, run_dir: Path, run_id: str, args: argparse.Namespace) -> int:
-    logs = run_dir / "logs"
-    logs.mkdir(exist_ok=True)
-    config_path = run_dir / "config.yaml"
-    base = [sys.executable, "-m", "services.cli"]
-    common = ["--config", str(config_path), "--experiment", run_id]
-    n_aggs = args.aggregators or cfg.processes.aggregators
-    n_clients = args.clients or cfg.processes.clients
-    port = args.metrics_base_port
-    ports: dict[str, int] = {}
-    specs: list[tuple[str, list[str]]] = [("server", ["server", *common, "--run-dir", str(run_dir)])]
-    specs += [(f"aggregator-{i}", ["aggregator", *common, "--id", f"agg-{i}"]) for i in range(n_aggs)]
-    ranges = _client_ranges(cfg.num_devices, n_clients)
-    specs += [
-        (
-            f"client-{i}",
-            [
-                "client",
-                *common,
-                "--id",
-                f"client-{i}",
-                "--devices",
-                ",".join(map(str, devs)),
-                "--state-dir",
-                str(run_dir / "device-state"),
-            ],
-        )
-        for i, devs in enumerate(ranges)
-    ]
-    procs: dict[str, subprocess.Popen[bytes]] = {}
-    env = dict(os.environ)
-    for name, argv in specs:
-        p = _free_port(port)
-        port = p + 1
-        ports[name] = p
-        with (logs / f"{name}.log").open("wb") as log:
-            procs[name] = subprocess.Popen(
-                [*base, *argv, "--metrics-port", str(p)], stdout=log, stderr=log, env=env
-            )
-    (run_dir / "ports.json").write_text(json.dumps(ports, indent=2))
-    server = procs["server"]
-    rc = 0
-    reported: set[str] = set()
-    others_gone_since: float | None = None
-    try:
-        with _progress() as progress:
-            task_id = progress.add_task("rounds", total=cfg.rounds, acc="-", mb="0.0")
-            while server.poll() is None:
-                time.sleep(0.25)
-                _advance(progress, task_id, read_rounds(run_dir))
-                for name, proc in procs.items():
-                    if name != "server" and proc.poll() not in (None, 0) and name not in reported:
-                        reported.add(name)
-                        console.print(
-                            f"[yellow]{name} exited with {proc.returncode}; see {logs / name}.log[/yellow]"
-                        )
-                if all(p.poll() is not None for n, p in procs.items() if n != "server"):
-                    # Normal at the very end (the server stops them); a hang otherwise.
-                    others_gone_since = others_gone_since or time.time()
-                    if time.time() - others_gone_since > 60:
-                        console.print(
-                            "[red]every aggregator and client has exited; stopping the server[/red]"
-                        )
-                        server.terminate()
-            _advance(progress, task_id, read_rounds(run_dir))
-        rc = server.wait()
-    except KeyboardInterrupt:
-        console.print(
-            "[yellow]interrupted: stopping services (the server checkpoint allows a resume)[/yellow]"
-        )
-        rc = 130
-    finally:
-        deadline = time.time() + 15
-        for proc in procs.values():
-            if proc.poll() is None and rc != 0:
-                proc.terminate()
-        for proc in procs.values():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=max(0.1, deadline - time.time()))
-            if proc.poll() is None:
-                proc.kill()
-    if rc != 0:
-        tail = (logs / "server.log").read_text().splitlines()[-5:]
-        console.print(f"[red]server exited with {rc}[/red]; last lines of {logs / 'server.log'}:")
-        for line in tail:
-            console.print(line, markup=False)
-        return rc if rc > 0 else 1
-    _cleanup_broker(run_dir, run_id, [f"client-{i}" for i in range(len(ranges))])
-    return 0
-
-
-def _cleanup_broker(run_dir: Path, run_id: str, client_ids: list[str]) -> None:
-    """Record the dead-letter count, then delete the experiment's queues (a finished run leaves none)."""
-    from shared.transport.amqp import AmqpTransport
-
-    t = AmqpTransport(Settings().rabbitmq_url, run_id)
-    try:
-        dead = t.queue_depth(t.names.dead_letter_queue)
-        summary = read_summary(run_dir)
-        summary["dead_lettered"] = dead
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        t.delete_experiment(
-            [t.names.server_queue, t.names.updates_queue, *(t.names.client_queue(c) for c in client_ids)]
-        )
-    finally:
-        t.close()
-
-
-# -- report / compare ------------------------------------------------------------------------------
-def _fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1000:
-            return f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
-
-
-def _fmt(v: Any, digits: int = 4) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.{digits}f}"
-    return str(v)
-
-
-SUMMARY_ROWS: list[tuple[str, str, Callable[[Any], str]]] = [
-    ("algorithm", "algorithm", str),
-    ("transport", "transport", str),
-    ("rounds", "rounds", str),
-    ("final accuracy", "final_accuracy", _fmt),
-    ("best accuracy", "best_accuracy", _fmt),
-    ("bytes up (wire)", "bytes_up", _fmt_bytes),
-    ("bytes down (wire)", "bytes_down", _fmt_bytes),
-    ("bytes up (dense-eq.)", "dense_bytes_up", _fmt_bytes),
-    ("bytes down (dense-eq.)", "dense_bytes_down", _fmt_bytes),
-    ("wall seconds", "wall_seconds", lambda v: _fmt(v, 1)),
-    ("virtual seconds", "virtual_seconds", lambda v: _fmt(v, 1)),
-    ("final density", "final_density", _fmt),
-    ("personal accuracy, mean over devices", "personal_accuracy_mean", _fmt),
-    ("personal accuracy, best device", "personal_accuracy_best", _fmt),
-    ("devices evaluated", "evaluated_devices", str),
-    ("dead-lettered", "dead_lettered", str),
-]
-
-
-def print_report(run_dir: Path) -> None:
-    s = read_summary(run_dir)
-    rows = read_rounds(run_dir)
-    out = Console(width=None if sys.stdout.isatty() else 120)
-    t = Table(title=f"rounds of {run_dir.name}", show_lines=False)
-    for col in ("round", "outcome", "accuracy", "loss", "participants", "up", "down", "round s"):
-        t.add_column(col, justify="right")
-    shown = rows if len(rows) <= 25 else rows[:5] + rows[-20:]
-    for r in shown:
-        t.add_row(
-            str(r["round"]),
-            str(r["outcome"]),
-            _fmt(r.get("accuracy")),
-            _fmt(r.get("loss")),
-            f"{r['participants']}/{r['selected']}",
-            _fmt_bytes(r["bytes_up"]),
-            _fmt_bytes(r["bytes_down"]),
-            _fmt(r.get("round_seconds"), 2),
-        )
-    out.print(t)
-    st = Table(title=f"summary of {run_dir.name}")
-    st.add_column("")
-    st.add_column("value", justify="right")
-    for label, key, fmt in SUMMARY_ROWS:
-        if key in s:
-            st.add_row(label, fmt(s[key]))
-    out.print(st)
-    out.print(
-        f"files: {run_dir}/{{rounds.csv, devices.csv, summary.json, "
-        "accuracy_vs_round.png, accuracy_vs_bytes.png}"
-    )
-
-
-def cmd_report(args: argparse.Namespace) -> int:
-    try:
-        print_report(Path(args.run))
-    except FileNotFoundError as err:
-        console.print(f"[red]{err}[/red]")
-        return 2
-    return 0
-
-
-def cmd_compare(args: argparse.Namespace) -> int:
-    out = Console(width=None if sys.stdout.isatty() else 120)
-    t = Table(title="comparison")
-    t.add_column("")
-    summaries = []
-    for run in args.runs:
-        try:
-            summaries.append(read_summary(Path(run)))
-        except FileNotFoundError as err:
-            console.print(f"[red]{err}[/red]")
-            return 2
-        t.add_column(Path(run).name, justify="right")
-    for label, key, fmt in SUMMARY_ROWS:
-        t.add_row(label, *(fmt(s[key]) if key in s else "-" for s in summaries))
-    out.print(t)
-    if args.plot:
-        from shared.results import plot_compare
-
-        runs = {Path(run).name: read_rounds(Path(run)) for run in args.runs}
-        try:
-            path = plot_compare(runs, Path(args.plot))
-        except ValueError as err:
-            console.print(f"[red]--plot: {err}[/red]")
-            return 2
-        out.print(f"plot: {path}")
-    return 0
 
 
 def _cannot_run(cfg: ExperimentConfig) -> str | None:
@@ -622,6 +279,18 @@ def _cannot_run(cfg: ExperimentConfig) -> str | None:
     except (FleetError, DatasetUnavailable, ValueError) as err:
         return str(err)
     return None
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from services.report import report
+
+    return report(args.run)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from services.report import compare
+
+    return compare(args.runs, args.plot)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:

@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import socket
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -23,6 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
+from services.orchestrator import ProcessCluster
 from shared.transport.amqp import broker_reachable
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,23 +98,6 @@ def experiment_id() -> str:
     return f"t{uuid.uuid4().hex[:10]}"
 
 
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free TCP ports for child processes to serve on.
-
-    Why not ``_free_port(0)`` n times: each call frees its port before the next asks, so the kernel
-    may hand the same port out twice, and the second service to bind it dies at start-up. Holding
-    all n sockets until every port is chosen makes them distinct.
-    """
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("0.0.0.0", 0))
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def write_config(path: Path, **overrides: Any) -> Path:
     """A small, fast FedAvg-on-digits config with ``overrides`` merged in (nested dicts merge)."""
     base: dict[str, Any] = {
@@ -143,91 +124,18 @@ def write_config(path: Path, **overrides: Any) -> Path:
     return path
 
 
-class Proc:
-    """A service process with its log file, killable like a real crash."""
-
-    def __init__(self, name: str, argv: list[str], log: Path, env: dict[str, str]) -> None:
-        self.name = name
-        self.log = log
-        self._fh = log.open("wb")
-        self.p = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", *argv], stdout=self._fh, stderr=self._fh, env=env, cwd=ROOT
-        )
-
-    def kill(self) -> None:
-        if self.p.poll() is None:
-            self.p.send_signal(signal.SIGKILL)
-            self.p.wait()
-
-    def stop(self, timeout: float = 10) -> None:
-        if self.p.poll() is None:
-            self.p.terminate()
-            try:
-                self.p.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self._fh.close()
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-
-class Cluster:
-    """Start server/aggregator/client processes of one experiment against the test broker."""
-
-    def __init__(self, url: str, exp: str, config: Path, workdir: Path) -> None:
-        self.url, self.exp, self.config, self.workdir = url, exp, config, workdir
-        self.run_dir = workdir / "run"
-        self.procs: list[Proc] = []
-        self.env = dict(os.environ, RABBITMQ_URL=url, PYTHONPATH=str(ROOT))
-
-    def _start(self, name: str, argv: list[str]) -> Proc:
-        return self._start_with_port(name, argv, 0)
-
-    def _start_with_port(self, name: str, argv: list[str], port: int) -> Proc:
-        p = Proc(
-            name,
-            [*argv, "--config", str(self.config), "--experiment", self.exp, "--metrics-port", str(port)],
-            self.workdir / f"{name}.log",
-            self.env,
-        )
-        self.procs.append(p)
-        return p
-
-    def server(self, name: str = "server") -> Proc:
-        return self._start(name, ["server", "--run-dir", str(self.run_dir)])
-
-    def aggregator(self, name: str) -> Proc:
-        return self._start(name, ["aggregator", "--id", name])
-
-    def client(self, name: str, devices: str) -> Proc:
-        return self._start(
-            name, ["client", "--id", name, "--devices", devices, "--state-dir", str(self.workdir / "state")]
-        )
-
-    def stop_all(self) -> None:
-        for p in self.procs:
-            p.stop()
-
-    def cleanup_broker(self) -> None:
-        from shared.transport.amqp import AmqpTransport
-
-        t = AmqpTransport(self.url, self.exp)
-        try:
-            t.delete_experiment(
-                [t.names.server_queue, t.names.updates_queue]
-                + [t.names.client_queue(p.name) for p in self.procs if p.name.startswith("c")]
-            )
-        finally:
-            t.close()
+def process_cluster(url: str, exp: str, config: Path, workdir: Path) -> ProcessCluster:
+    """The services of one experiment as processes: results in ``workdir/run``, a log per process
+    in ``workdir``, device state in ``workdir/state``."""
+    return ProcessCluster(url, exp, config, workdir / "run", logs=workdir, state_dir=workdir / "state")
 
 
 @pytest.fixture
 def cluster(broker_url: str, experiment_id: str, tmp_path: Path) -> Iterator[Any]:
-    made: list[Cluster] = []
+    made: list[ProcessCluster] = []
 
-    def make(config: Path) -> Cluster:
-        c = Cluster(broker_url, experiment_id, config, tmp_path)
+    def make(config: Path) -> ProcessCluster:
+        c = process_cluster(broker_url, experiment_id, config, tmp_path)
         made.append(c)
         return c
 

@@ -22,15 +22,15 @@ import pika
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.cli import _run_inproc
 from services.client.service import Client
+from services.orchestrator import free_ports, run_inproc
 from shared import codec
 from shared.config import load_config
 from shared.experiment import Experiment
 from shared.schemas import Kind, Reject, Update, encode
 from shared.transport import KEY_SERVER, KEY_UPDATE, key_task
 from shared.transport.amqp import AmqpTransport
-from tests.conftest import free_ports, read_rounds, wait_for, write_config
+from tests.conftest import read_rounds, wait_for, write_config
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
@@ -51,7 +51,7 @@ def _assert_same_model(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> No
 def _inproc_reference(config: Path, tmp_path: Path, exp_id: str | None = None) -> dict[str, np.ndarray]:
     run = tmp_path / "inproc"
     run.mkdir()
-    assert _run_inproc(load_config(config), run, exp_id or f"ref{os.getpid()}{time.time_ns()}") == 0
+    assert run_inproc(load_config(config), run, exp_id or f"ref{os.getpid()}{time.time_ns()}") == 0
     return _model(run)
 
 
@@ -97,13 +97,13 @@ def test_amqp_run_equals_inproc_and_counts_every_published_byte(cluster: Any, tm
     config = write_config(tmp_path / "c.yaml", rounds=3, round_timeout_s=180)
     c = cluster(config)
     c.env["FEDFLEET_LINGER_S"] = "120"  # keep /metrics up after the run so we can read final counts
-    spy = AmqpTransport(c.url, c.exp)
+    spy = AmqpTransport(c.url, c.experiment_id)
     spy_q = spy.names.client_queue("spy")  # deleted with the experiment's queues
     spy.declare_queue(spy_q, [KEY_UPDATE, *(key_task(d) for d in range(8))])
     ports = dict(zip(("server", "agg-0", "agg-1", "c0", "c1"), free_ports(5), strict=True))
 
     def start(name: str, argv: list[str]) -> Any:
-        return c._start_with_port(name, argv, ports[name])
+        return c.start(name, argv, ports[name])
 
     start("server", ["server", "--run-dir", str(c.run_dir)])
     start("agg-0", ["aggregator", "--id", "agg-0"])
@@ -209,9 +209,9 @@ def test_bad_input_is_dead_lettered_and_changes_nothing(cluster: Any, tmp_path: 
     c.aggregator("agg-1")
     c.client("c0", "1-7")
     exp = Experiment.build(load_config(config))
-    transport = AmqpTransport(c.url, c.exp)
+    transport = AmqpTransport(c.url, c.experiment_id)
     client = InjectingClient(
-        transport, exp, experiment_id=c.exp, client_id="evil", device_ids=[0], state_dir=tmp_path / "evil"
+        transport, exp, experiment_id=c.experiment_id, client_id="evil", device_ids=[0], state_dir=tmp_path / "evil"
     )
     thread = threading.Thread(target=client.run, daemon=True)
     thread.start()
@@ -290,9 +290,7 @@ def test_sigkill_aggregator_mid_round_counts_each_update_once(cluster: Any, tmp_
     c = cluster(config)
     server = c.server()
     ports = dict(zip(("agg-0", "agg-1"), free_ports(2), strict=True))
-    aggs = {
-        name: c._start_with_port(name, ["aggregator", "--id", name], port) for name, port in ports.items()
-    }
+    aggs = {name: c.start(name, ["aggregator", "--id", name], port) for name, port in ports.items()}
     c.client("c0", "0-3")
     c.client("c1", "4-7")
 
@@ -395,7 +393,7 @@ def test_fleet_with_rejections_dropouts_and_over_selection_over_amqp(cluster: An
     rows = read_rounds(c.run_dir)
     assert sum(int(r["rejected"]) for r in rows) > 0
     assert all(int(r["participants"]) <= 4 for r in rows)
-    _assert_same_model(_model(c.run_dir), _inproc_reference(config, tmp_path, exp_id=c.exp))
+    _assert_same_model(_model(c.run_dir), _inproc_reference(config, tmp_path, exp_id=c.experiment_id))
     amqp_rows = [(r["participants"], r["rejected"], r["dropped"], r["virtual_seconds"]) for r in rows]
     ref_rows = [
         (r["participants"], r["rejected"], r["dropped"], r["virtual_seconds"])

@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.cli import _run_inproc
+from services.orchestrator import run_inproc
 from shared import codec
 from shared.algorithms.base import DeviceContext, DeviceData, Partial, UpdateSpec
 from shared.algorithms.embracingfl import EmbracingFL, multi_step_forward
@@ -352,7 +352,7 @@ def _run(tmp_path: Path, name: str, **algo: Any) -> tuple[list[dict[str, Any]], 
     )
     run = tmp_path / name
     run.mkdir()
-    assert _run_inproc(cfg, run, f"{name}-{uuid.uuid4().hex[:6]}") == 0
+    assert run_inproc(cfg, run, f"{name}-{uuid.uuid4().hex[:6]}") == 0
     return read_rounds(run), json.loads((run / "summary.json").read_text())
 
 

@@ -283,7 +283,7 @@ def test_classifier_rows_by_label_and_global_vote(tmp_path: Path) -> None:
 
 # -- end to end through the in-process services ------------------------------------------------------------
 def _run(tmp_path: Path, algo: str, options: dict[str, Any]) -> tuple[list[dict[str, str]], dict[str, Any]]:
-    from services.cli import _run_inproc
+    from services.orchestrator import run_inproc
 
     cfg = load_config(
         write_config(
@@ -300,7 +300,7 @@ def _run(tmp_path: Path, algo: str, options: dict[str, Any]) -> tuple[list[dict[
     run = tmp_path / f"run-{algo}"
     run.mkdir()
     exp_id = f"wslice-{algo}-{tmp_path.name}"
-    assert _run_inproc(cfg, run, exp_id) == 0
+    assert run_inproc(cfg, run, exp_id) == 0
     rows = list(csv.DictReader((run / "rounds.csv").open()))
     # the per-round table and the Prometheus wire counters agree (C6 reads either)
     for service, direction, kind, col in (
@@ -374,7 +374,7 @@ def test_scoring_pass_over_budget_is_refused_end_to_end(tmp_path: Path) -> None:
     """A device whose budget fits FedDSE's sub-model training but not its full-model scoring pass
     refuses the task (reason ``memory``, the detail naming the pass), through the real client
     service; with room for both, the same device trains. HeteroFL on the tight budget trains."""
-    from services.cli import _run_inproc
+    from services.orchestrator import run_inproc
     from shared.devices import admit
     from shared.results import read_rounds
 
@@ -410,7 +410,7 @@ def test_scoring_pass_over_budget_is_refused_end_to_end(tmp_path: Path) -> None:
         )
         run_dir = tmp_path / f"run-{algo}-{budget}"
         run_dir.mkdir()
-        assert _run_inproc(exp.cfg, run_dir, f"t-{algo}-{budget}", exp=exp) == 0
+        assert run_inproc(exp.cfg, run_dir, f"t-{algo}-{budget}", exp=exp) == 0
         return read_rounds(run_dir)
 
     assert all(r["rejected"] == 4 and r["participants"] == 0 for r in run("feddse", tight))

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.cli import _run_inproc
+from services.orchestrator import run_inproc
 from shared import codec
 from shared.algorithms.base import DeviceContext, Partial, Strategy, UpdateSpec, model_arrays
 from shared.algorithms.feddst import FedDST
@@ -292,7 +292,7 @@ def _run(tmp_path: Path, algo: str, name: str, **kw: Any) -> Path:
     )
     run = tmp_path / name
     run.mkdir()
-    assert _run_inproc(cfg, run, f"{name}-{tmp_path.name}") == 0
+    assert run_inproc(cfg, run, f"{name}-{tmp_path.name}") == 0
     return run
 
 

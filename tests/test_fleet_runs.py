@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY
 
-from services.cli import _run_inproc, main
+from services.cli import main
+from services.orchestrator import run_inproc
 from shared.config import load_config
 from shared.experiment import Experiment
 from tests.conftest import read_rounds, write_config
@@ -24,7 +25,7 @@ def _run(tmp_path: Path, name: str, exp_id: str | None = None, **overrides: Any)
     run = tmp_path / name
     run.mkdir()
     # (the experiment id travels in every envelope, so equal ids give byte-identical messages)
-    assert _run_inproc(cfg, run, exp_id or f"{name}-{tmp_path.name}") == 0
+    assert run_inproc(cfg, run, exp_id or f"{name}-{tmp_path.name}") == 0
     return run, Experiment.build(cfg)
 
 
@@ -192,7 +193,7 @@ def test_bad_fleet_files_are_refused_at_start(
         "device_id,tier,memory_bytes,uplink_bps,downlink_bps,latency_s,flops_per_s,p_online,p_dropout,trace"
     )
     (tmp_path / "fleet.csv").write_text(f"{header}\n{row}\n")
-    tiers = {"big": {}} if fragment == "huge" else None
+    tiers: dict[str, Any] | None = {"big": {}} if fragment == "huge" else None
     fleet: dict[str, Any] = {"trace_file": "fleet.csv"}
     if tiers:
         fleet["tiers"] = tiers

@@ -21,9 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 
-from services.aggregator.service import Aggregator
-from services.client.service import Client
-from services.server.service import Server
+from services.orchestrator import InprocCluster
 from shared import codec
 from shared.algorithms.base import (
     DeviceContext,
@@ -41,7 +39,6 @@ from shared.devices import forward_flops
 from shared.experiment import Experiment
 from shared.models import build_model, num_parameters
 from shared.models.hermes_layers import UnitStructure, structured_prune
-from shared.transport.inproc import InprocBroker, InprocTransport
 from tests.conftest import reduce_two_ways, write_config
 
 
@@ -254,6 +251,7 @@ def test_compacted_model_is_smaller_by_exactly_the_density(name: str, options: d
             for k in arrays
         }
     )
+    assert isinstance(masked, torch.nn.Sequential)
     small = s.compact(masked, keep)
     dense_params, small_params = num_parameters(model), num_parameters(small)
     assert small_params == s.kept_params(keep)
@@ -317,7 +315,7 @@ def test_downlink_is_full_model_first_then_the_smaller_structured_payload(tmp_pa
     got = h.structure.keep_from_payload(later.tensors)
     assert all(np.array_equal(got[k], keep[k]) for k in keep)  # the payload tells the device its mask
     # masks survive the server's .npz checkpoint under their slash-separated names
-    np.savez(tmp_path / "ck.npz", **state.arrays)
+    np.savez(tmp_path / "ck.npz", **state.arrays)  # type: ignore[arg-type]
     with np.load(tmp_path / "ck.npz", allow_pickle=False) as z:
         assert np.array_equal(z["mask/5/fc1"], keep["fc1"].astype(np.uint8))
 
@@ -342,28 +340,8 @@ def test_upload_bytes_per_device_fall_with_the_mask_and_never_rise(tmp_path: Pat
     exp = Experiment.build(load_config(cfg))
     run = tmp_path / "run"
     run.mkdir()
-    broker = InprocBroker()
-    server = Server(InprocTransport(broker, exp_id), exp, run, experiment_id=exp_id)
-    services: list[Any] = [
-        server,
-        Aggregator(
-            InprocTransport(broker, exp_id),
-            exp.strategy,
-            experiment_id=exp_id,
-            algorithm="hermes",
-            aggregator_id="agg-0",
-            prefetch=8,
-            max_bytes=1 << 24,
-        ),
-        Client(
-            InprocTransport(broker, exp_id),
-            exp,
-            experiment_id=exp_id,
-            client_id="c0",
-            device_ids=[0],
-            state_dir=run / "device-state",
-        ),
-    ]
+    cluster = InprocCluster(exp, run, exp_id, aggregators=1, clients=1)
+    server = cluster.server
     wire_up = {
         "experiment": exp_id,
         "algorithm": "hermes",
@@ -373,20 +351,13 @@ def test_upload_bytes_per_device_fall_with_the_mask_and_never_rise(tmp_path: Pat
     }
     hist = {"experiment": exp_id, "algorithm": "hermes", "direction": "up", "tier": "default"}
     per_round: list[float] = []
-    last, done = 0.0, 0
-    for _ in range(200_000):
-        if server.stopped:
-            break
-        for s in services:
-            s.transport.process(0)
-            s.tick()
-            if s is server and len(server.rows) > done:
-                # a round just closed (and the next one opened): the client has not yet trained for
-                # the new round, so the counter delta is exactly this round's uploads
-                done = len(server.rows)
-                now = _counter("fedfleet_wire_bytes_total", **wire_up)
-                per_round.append(now - last)
-                last = now
+
+    def after_round(_: object) -> None:
+        # a round just closed (and the next one opened): the client has not yet trained for the new
+        # round, so the counter delta is exactly this round's uploads
+        per_round.append(_counter("fedfleet_wire_bytes_total", **wire_up) - sum(per_round))
+
+    cluster.run(on_round=after_round, max_steps=200_000)
     assert server.stopped and len(per_round) == 9
     rows = list(csv.DictReader((run / "rounds.csv").open()))
     density = [float(r["density"]) for r in rows]
@@ -416,7 +387,7 @@ def test_upload_bytes_per_device_fall_with_the_mask_and_never_rise(tmp_path: Pat
 
 # -- the Standalone baseline --------------------------------------------------------------------------------
 def test_standalone_trains_locally_sends_no_weights_and_replays_identically(tmp_path: Path) -> None:
-    from services.cli import _run_inproc
+    from services.orchestrator import run_inproc
 
     cfg = load_config(
         write_config(
@@ -437,7 +408,7 @@ def test_standalone_trains_locally_sends_no_weights_and_replays_identically(tmp_
     )
     run = tmp_path / "run"
     run.mkdir()
-    assert _run_inproc(cfg, run, f"standalone-{tmp_path.name}") == 0
+    assert run_inproc(cfg, run, f"standalone-{tmp_path.name}") == 0
     rows = list(csv.DictReader((run / "rounds.csv").open()))
     # no tensor crosses the wire either way: the messages are metadata (a few hundred bytes each)
     assert all(int(r["dense_bytes_up"]) == 0 and int(r["dense_bytes_down"]) == 0 for r in rows)

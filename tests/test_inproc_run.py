@@ -14,14 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.aggregator.service import Aggregator
-from services.cli import _run_inproc, main
-from services.client.service import Client
-from services.server.service import Server
+from services.cli import main
+from services.orchestrator import InprocCluster, run_inproc
 from shared.algorithms.base import UpdateSpec
 from shared.codec import Dense
 from shared.config import load_config
 from shared.experiment import Experiment
-from shared.transport.inproc import InprocBroker, InprocTransport
 from tests.conftest import reduce_two_ways, write_config
 
 SUMMARY_KEYS = {
@@ -53,7 +51,7 @@ def test_inproc_run_writes_readable_results(tmp_path: Path, capsys: pytest.Captu
     cfg = load_config(write_config(tmp_path / "c.yaml", rounds=4))
     run = tmp_path / "run"
     run.mkdir()
-    assert _run_inproc(cfg, run, "inproc-test") == 0
+    assert run_inproc(cfg, run, "inproc-test") == 0
     summary = json.loads((run / "summary.json").read_text())
     assert set(summary) >= SUMMARY_KEYS
     assert summary["transport"] == "inproc" and summary["rounds"] == 4
@@ -92,70 +90,39 @@ def test_fedavg_reduction_is_associative_and_commutative(weights: list[int], rnd
     assert one.scalars["weight"] == merged.scalars["weight"] == sum(weights)
 
 
-def _inproc_services(cfg_path: Path, run: Path, exp_id: str) -> tuple[InprocBroker, Server, list[Any]]:
+def _cluster(cfg_path: Path, run: Path, exp_id: str) -> InprocCluster:
+    """Two aggregators and one client hosting every device, over the in-process broker."""
     exp = Experiment.build(load_config(cfg_path))
-    broker = InprocBroker()
-    server = Server(InprocTransport(broker, exp_id), exp, run, experiment_id=exp_id)
-    aggs = [
-        Aggregator(
-            InprocTransport(broker, exp_id),
-            exp.strategy,
-            experiment_id=exp_id,
-            algorithm="fedavg",
-            aggregator_id=f"agg-{i}",
-            prefetch=exp.cfg.processes.prefetch,
-            max_bytes=1 << 24,
-        )
-        for i in range(2)
-    ]
-    clients = [
-        Client(
-            InprocTransport(broker, exp_id),
-            exp,
-            experiment_id=exp_id,
-            client_id="c0",
-            device_ids=list(range(exp.cfg.num_devices)),
-            state_dir=run / "state",
-        )
-    ]
-    return broker, server, [server, *aggs, *clients]
+    return InprocCluster(exp, run, exp_id, aggregators=2, clients=1, state_dir=run / "state")
 
 
-def _drive(services: list[Any], server: Server, hook: Any = None, steps: int = 200_000) -> None:
-    for _ in range(steps):
-        if server.stopped:
-            return
-        for s in services:
-            s.transport.process(0)
-            s.tick()
-        if hook is not None:
-            hook()
-    raise AssertionError("run did not finish")
+def _held(agg: Aggregator) -> int:
+    """Updates an aggregator holds whose partial the server has not accepted yet."""
+    return len(agg.batch.deliveries) + sum(len(b.deliveries) for b in agg.pending.values())
 
 
 def test_aggregator_crash_counts_every_update_once(tmp_path: Path) -> None:
     cfg = write_config(tmp_path / "c.yaml", rounds=3)
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    _, clean, services = _inproc_services(cfg, tmp_path / "a", "clean")
-    _drive(services, clean)
+    reference = _cluster(cfg, tmp_path / "a", "clean")
+    assert reference.run(max_steps=200_000) == 0
+    clean = reference.server
 
-    _, faulty, services = _inproc_services(cfg, tmp_path / "b", "crash")
-    agg0 = services[1]
-    crashed = []
+    cluster = _cluster(cfg, tmp_path / "b", "crash")
+    faulty = cluster.server
+    agg0 = cluster.aggregators[0]
+    crashed: list[int] = []
 
     def crash_when_holding() -> None:
         # Crash agg-0 the first time it holds updates whose partial the server has not accepted.
-        held = len(agg0.batch.deliveries) + sum(len(b.deliveries) for b in agg0.pending.values())
-        if not crashed and faulty.round == 2 and held >= 1:
-            crashed.append(held)
-            agg0.transport.close()
-            services.remove(agg0)
+        if not crashed and faulty.round == 2 and _held(agg0) >= 1:
+            crashed.append(_held(agg0))
+            cluster.crash(agg0)
 
-    _drive(services, faulty, crash_when_holding)
+    cluster.run(on_step=crash_when_holding, max_steps=200_000)
     assert crashed, "the crash never happened"
-    survivor = services[1]
-    assert isinstance(survivor, Aggregator) and survivor is not agg0
+    assert len(cluster.aggregators) == 1 and cluster.aggregators[0] is not agg0
     for name, arr in clean.state.arrays.items():
         np.testing.assert_allclose(faulty.state.arrays[name], arr, atol=1e-6, rtol=0)
     assert [r["participants"] for r in faulty.rows] == [r["participants"] for r in clean.rows]
@@ -171,28 +138,25 @@ def test_a_kill_between_the_checkpoint_renames_resumes_from_the_previous_one(tmp
     cfg = write_config(tmp_path / "c.yaml", rounds=3)
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    _, clean, services = _inproc_services(cfg, tmp_path / "a", "clean")
-    _drive(services, clean)
+    clean_cluster = _cluster(cfg, tmp_path / "a", "clean")
+    clean_cluster.run(max_steps=200_000)
+    clean = clean_cluster.server
 
     run = tmp_path / "b"
-    _, first, services = _inproc_services(cfg, run, "killed")
-    for _ in range(200_000):  # until round 2's checkpoint is written
-        if len(first.rows) == 2:
-            break
-        for svc in services:
-            svc.transport.process(0)
-            svc.tick()
+    killed = _cluster(cfg, run, "killed")
+    first = killed.server
+    killed.run(until=lambda: len(first.rows) == 2, max_steps=200_000)  # round 2's checkpoint written
     assert len(first.rows) == 2 and (run / "checkpoint" / "state.json").exists()
-    for svc in services:
-        svc.transport.close()
+    killed.close()
     (run / "checkpoint").rename(run / "checkpoint.old")  # the kill: first rename done, not the second
     (run / "checkpoint.tmp").mkdir()
     (run / "checkpoint.tmp" / "state.json").write_text('{"round": 3, "sta')
 
-    _, resumed, services = _inproc_services(cfg, run, "killed")
+    again_cluster = _cluster(cfg, run, "killed")
+    resumed = again_cluster.server
     assert resumed.resumed and resumed.round == 2
     assert (run / "checkpoint" / "state.json").exists() and not (run / "checkpoint.old").exists()
-    _drive(services, resumed)
+    again_cluster.run(max_steps=200_000)
     assert [r["round"] for r in resumed.rows] == [1, 2, 3]
     for name, arr in clean.state.arrays.items():
         np.testing.assert_allclose(resumed.state.arrays[name], arr, atol=1e-6, rtol=0)
@@ -201,7 +165,7 @@ def test_a_kill_between_the_checkpoint_renames_resumes_from_the_previous_one(tmp
     fresh = tmp_path / "c"
     (fresh / "checkpoint.tmp").mkdir(parents=True)
     (fresh / "checkpoint.tmp" / "state.json").write_text('{"round": 3, "sta')
-    _, again, _services = _inproc_services(cfg, fresh, "fresh")
+    again = _cluster(cfg, fresh, "fresh").server
     assert not again.resumed and again.round == 0
 
 
@@ -216,37 +180,25 @@ def test_aggregator_started_after_the_round_opened_joins_it(tmp_path: Path, monk
     cfg = write_config(tmp_path / "c.yaml", rounds=2)
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    _, clean, services = _inproc_services(cfg, tmp_path / "a", "clean")
-    _drive(services, clean)
+    clean_cluster = _cluster(cfg, tmp_path / "a", "clean")
+    clean_cluster.run(max_steps=200_000)
+    clean = clean_cluster.server
 
-    broker, faulty, services = _inproc_services(cfg, tmp_path / "b", "late")
-    second = services[2]
-    second.transport.close()  # start with one aggregator only
-    services.remove(second)
-    holder = services[1]
-    exp = Experiment.build(load_config(cfg))
+    cluster = _cluster(cfg, tmp_path / "b", "late")
+    faulty = cluster.server
+    cluster.crash(cluster.aggregators[1])  # start with one aggregator only
+    holder = cluster.aggregators[0]
     events: list[str] = []
 
     def late_start_then_crash() -> None:
         if not events and faulty.round == 1 and faulty.phase == "open":
-            late = Aggregator(
-                InprocTransport(broker, "late"),
-                exp.strategy,
-                experiment_id="late",
-                algorithm="fedavg",
-                aggregator_id="agg-late",
-                prefetch=exp.cfg.processes.prefetch,
-                max_bytes=1 << 24,
-            )
-            services.append(late)
+            cluster.add_aggregator("agg-late")
             events.append("late")
-        held = len(holder.batch.deliveries) + sum(len(b.deliveries) for b in holder.pending.values())
-        if events == ["late"] and held >= 1:
-            holder.transport.close()
-            services.remove(holder)
+        if events == ["late"] and _held(holder) >= 1:
+            cluster.crash(holder)
             events.append("crash")
 
-    _drive(services, faulty, late_start_then_crash)
+    cluster.run(on_step=late_start_then_crash, max_steps=200_000)
     assert events == ["late", "crash"], events
     for name, arr in clean.state.arrays.items():
         np.testing.assert_allclose(faulty.state.arrays[name], arr, atol=1e-6, rtol=0)
@@ -268,7 +220,7 @@ def test_doc_block_is_replaced_between_markers_and_missing_markers_fail(tmp_path
 def test_run_inproc_once_reuses_a_finished_run_and_force_redoes_it(tmp_path: Path) -> None:
     """What every benchmark script relies on: a finished run is reused, ``force`` redoes it, and
     the resolved config sits beside the results."""
-    from services.cli import run_inproc_once
+    from services.orchestrator import run_inproc_once
 
     cfg = load_config(write_config(tmp_path / "c.yaml", rounds=1))
     run = tmp_path / "run"

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.cli import _run_inproc
+from services.orchestrator import run_inproc
 from shared import codec
 from shared.algorithms import device_state
 from shared.algorithms.base import DeviceContext, DeviceData, Partial, UpdateSpec
@@ -146,7 +146,7 @@ def test_end_to_end_personalised_accuracy_and_head_only_downlink(tmp_path: Path)
     )
     run = tmp_path / "run"
     run.mkdir()
-    assert _run_inproc(cfg, run, f"lg-{uuid.uuid4().hex[:6]}") == 0
+    assert run_inproc(cfg, run, f"lg-{uuid.uuid4().hex[:6]}") == 0
     rows = read_rounds(run)
     summary = json.loads((run / "summary.json").read_text())
     assert rows[-1]["accuracy"] > 0.8  # two classes per device: the personal models get them right

@@ -45,7 +45,10 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.conftest import Cluster, Proc, free_ports, read_rounds, wait_for, write_config
+from services.orchestrator import ProcessCluster as Cluster
+from services.orchestrator import ServiceProcess as Proc
+from services.orchestrator import free_ports
+from tests.conftest import process_cluster, read_rounds, wait_for, write_config
 from tests.test_deploy import (
     DEPLOY,
     RULES,
@@ -270,7 +273,7 @@ def observed(broker_url: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
         registration_timeout_s=120,  # the server waits for all 8 devices; the timeout never decides
         fleet=FLEET,
     )
-    cluster = Cluster(broker_url, exp, config, work)
+    cluster = process_cluster(broker_url, exp, config, work)
     cluster.env["FEDFLEET_LINGER_S"] = str(LINGER_S)
     clients = {"c0": "0-3", "c1": "4-7"}
     names = ["server", "agg-0", "agg-1", *clients]
@@ -285,13 +288,11 @@ def observed(broker_url: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
     try:
         wait_for(prom.ready, 60, "prometheus to be ready", interval=0.5)
         start = time.time()
-        server = cluster._start_with_port(
-            "server", ["server", "--run-dir", str(cluster.run_dir)], targets["server"]
-        )
+        server = cluster.start("server", ["server", "--run-dir", str(cluster.run_dir)], targets["server"])
         for agg in ("agg-0", "agg-1"):
-            cluster._start_with_port(agg, ["aggregator", "--id", agg], targets[agg])
+            cluster.start(agg, ["aggregator", "--id", agg], targets[agg])
         for name, hosted in clients.items():
-            cluster._start_with_port(
+            cluster.start(
                 name, ["client", "--id", name, "--devices", hosted, "--state-dir", state], targets[name]
             )
         _wait(lambda: '"round_open"' in server.text(), "round 1 to open", cluster, prom, alive=cluster.procs)
@@ -334,7 +335,7 @@ def _publish_garbage(cluster: Cluster) -> None:
     from shared.transport import KEY_UPDATE
     from shared.transport.amqp import AmqpTransport
 
-    t = AmqpTransport(cluster.url, cluster.exp)
+    t = AmqpTransport(cluster.url, cluster.experiment_id)
     try:
         t.publish(KEY_UPDATE, b"\xc1\xc1 this is not msgpack")
     finally:

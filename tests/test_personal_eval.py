@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
-from services.cli import _run_inproc
+from services.orchestrator import run_inproc
 from shared.config import load_config
 from tests.conftest import write_config
 
@@ -35,7 +35,7 @@ def test_every_device_is_evaluated_after_the_last_round(tmp_path: Path) -> None:
     run = tmp_path / "run"
     run.mkdir()
     exp_id = f"pe-{tmp_path.name}"
-    assert _run_inproc(cfg, run, exp_id) == 0
+    assert run_inproc(cfg, run, exp_id) == 0
     summary = json.loads((run / "summary.json").read_text())
     assert summary["evaluated_devices"] == 8  # all of them, though only 3 trained per round
     devices = list(csv.DictReader((run / "devices.csv").open()))
@@ -78,6 +78,6 @@ def test_dense_algorithms_skip_the_device_evaluation(tmp_path: Path) -> None:
     cfg = load_config(write_config(tmp_path / "c.yaml", rounds=2))
     run = tmp_path / "run"
     run.mkdir()
-    assert _run_inproc(cfg, run, f"fa-{tmp_path.name}") == 0
+    assert run_inproc(cfg, run, f"fa-{tmp_path.name}") == 0
     summary = json.loads((run / "summary.json").read_text())
     assert "evaluated_devices" not in summary

@@ -33,10 +33,11 @@ from typing import Any
 import pika
 import pytest
 
+from services.orchestrator import ServiceProcess as Proc
 from shared.schemas import Task, decode
 from shared.transport import key_task
 from shared.transport.amqp import AmqpTransport
-from tests.conftest import Proc, read_rounds, wait_for, write_config
+from tests.conftest import read_rounds, wait_for, write_config
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
@@ -127,7 +128,7 @@ def test_add_a_client_mid_run_and_kill_one_mid_round(cluster: Any, tmp_path: Pat
         emulation={"time_mode": "real", "time_factor": 1.0},
     )
     c = cluster(config)
-    spy = AmqpTransport(c.url, c.exp)
+    spy = AmqpTransport(c.url, c.experiment_id)
     spy_queue = spy.names.client_queue("spy")
     spy.declare_queue(spy_queue, [key_task(d) for d in range(NUM_DEVICES)])
     spy.close()

@@ -68,9 +68,9 @@ def test_every_message_round_trips(kind: Kind) -> None:
 
 
 def test_tensors_survive_the_envelope() -> None:
-    _env, body = decode(
-        encode(Kind.UPDATE, _sample(Kind.UPDATE), exp="e", round=1, sender="d"), max_bytes=LIMIT
-    )  # type: ignore[arg-type]
+    sample = _sample(Kind.UPDATE)
+    assert isinstance(sample, Update)
+    _env, body = decode(encode(Kind.UPDATE, sample, exp="e", round=1, sender="d"), max_bytes=LIMIT)
     t = codec.decode(body.tensors["w"])
     assert isinstance(t, codec.Dense)
     np.testing.assert_array_equal(t.array, np.arange(6, dtype=np.float32).reshape(2, 3))

@@ -18,10 +18,8 @@ from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
 
-from services.aggregator.service import Aggregator
-from services.cli import _free_port, _run_inproc
-from services.client.service import Client
 from services.common import encode_tensors
+from services.orchestrator import InprocCluster, free_port, run_inproc
 from services.server.service import Server
 from shared import codec
 from shared.algorithms.base import DeviceContext, Partial, TaskSpec, UpdateSpec
@@ -38,7 +36,6 @@ from shared.experiment import Experiment
 from shared.models.spafl_layers import MaskedConv2d, MaskedLinear, convert, masked_layers
 from shared.results import read_rounds
 from shared.schemas import Kind, Task, Update, encode
-from shared.transport.inproc import InprocBroker, InprocTransport
 from tests.conftest import wait_for, write_config
 
 #: the spec's §8 MLP: 64-128-64-10 without biases
@@ -463,45 +460,18 @@ def _per_round_counters(cfg_path: Path, run: Path, exp_id: str) -> tuple[Server,
     """Run in-process; after each round closes, read the uplink/downlink byte counters."""
     exp = Experiment.build(load_config(cfg_path))
     algo = exp.cfg.algorithm.name
-    broker = InprocBroker()
-    server = Server(InprocTransport(broker, exp_id), exp, run, experiment_id=exp_id)
-    aggs = [
-        Aggregator(
-            InprocTransport(broker, exp_id),
-            exp.strategy,
-            experiment_id=exp_id,
-            algorithm=algo,
-            aggregator_id=f"agg-{i}",
-            prefetch=8,
-            max_bytes=1 << 24,
-        )
-        for i in range(2)
-    ]
-    client = Client(
-        InprocTransport(broker, exp_id),
-        exp,
-        experiment_id=exp_id,
-        client_id="c0",
-        device_ids=list(range(exp.cfg.num_devices)),
-        state_dir=run / "state",
-    )
-    services: list[Any] = [server, *aggs, client]
+    cluster = InprocCluster(exp, run, exp_id, aggregators=2, clients=1, state_dir=run / "state")
+    server = cluster.server
     readings: list[tuple[float, float]] = []
-    for _ in range(200_000):
-        if server.stopped:
-            break
-        for svc in services:
-            svc.transport.process(0)
-            svc.tick()
-            # right after the server closed a round, before any device saw the next task: the
-            # uplink counter holds exactly the rounds so far
-            if len(server.rows) > len(readings):
-                readings.append(
-                    (
-                        _wire(exp_id, algo, "up", "update", "client"),
-                        _wire(exp_id, algo, "down", "task", "server"),
-                    )
-                )
+
+    def after_round(_: object) -> None:
+        # right after the server closed a round, before any device saw the next task: the uplink
+        # counter holds exactly the rounds so far
+        readings.append(
+            (_wire(exp_id, algo, "up", "update", "client"), _wire(exp_id, algo, "down", "task", "server"))
+        )
+
+    cluster.run(on_round=after_round, max_steps=200_000)
     assert server.stopped and len(readings) == exp.cfg.rounds
     return server, readings
 
@@ -574,11 +544,11 @@ def test_wire_bytes_over_rabbitmq_match_the_formula(cluster: Any, experiment_id:
     rounds, k = 3, 4
     config = _config(tmp_path, rounds=rounds, devices_per_round=k)
     c = cluster(config)
-    port = _free_port(0)
+    port = free_port(0)
     server = c.server()
     c.aggregator("agg-0")
     c.env["FEDFLEET_LINGER_S"] = "120"  # only the client (started last) keeps /metrics up after the run
-    client = c._start_with_port(
+    client = c.start(
         "c0", ["client", "--id", "c0", "--devices", "0-7", "--state-dir", str(tmp_path / "state")], port
     )
     rc = server.p.wait(240)
@@ -633,7 +603,7 @@ def _run(tmp: Path, name: str, alpha: float, rounds: int = 12) -> list[dict[str,
     )
     run = tmp / name
     run.mkdir()
-    assert _run_inproc(cfg, run, f"{name}-{uuid.uuid4().hex[:6]}") == 0
+    assert run_inproc(cfg, run, f"{name}-{uuid.uuid4().hex[:6]}") == 0
     return read_rounds(run)
 
 

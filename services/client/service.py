@@ -22,6 +22,7 @@ emulate many devices concurrently.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ from typing import Any
 
 from services.common import MessageHandler, ServiceBase, decode_tensors, encode_tensors
 from shared import metrics
-from shared.algorithms.base import DeviceContext, TaskSpec, derive_seed
+from shared.algorithms.base import DeviceContext, TaskSpec, UpdateSpec, derive_seed
 from shared.devices import Device, admit, dropout_point, emulate_compute, emulate_transfer, transfer_seconds
 from shared.experiment import Experiment
 from shared.schemas import (
@@ -38,10 +39,12 @@ from shared.schemas import (
     EvalResult,
     Go,
     Kind,
+    MetricKey,
     Ready,
     Register,
     Reject,
     Task,
+    Timings,
     Update,
     encode,
 )
@@ -158,101 +161,136 @@ class Client(ServiceBase):
             metric.labels(self.experiment, self.algorithm, tier, *labels.values(), "real").observe(real_s)
 
     def on_task(self, env: Envelope, msg: Task, d: Delivery) -> None:
+        """Admit, download, (maybe drop out,) train and upload — each step below is one method."""
         dev = msg.device_id
         if dev not in self.data:
             self.reject(d, "unknown-device", f"device {dev} is not hosted by {self.client_id}")
             return
         device = self.fleet[dev]
-        profile, tier = device.profile, device.tier
-        mode, factor = self.emulation.time_mode, self.emulation.time_factor
-        real = mode == "real"
         task = TaskSpec(decode_tensors(msg.tensors), dict(msg.config))
         task_bytes = len(d.body)
+        if self._admitted(env, msg, task, device, task_bytes):
+            down_s = self._download(task, device, task_bytes)
+            if not self._dropped_out(env, msg, device, task_bytes):
+                update, compute_s = self._train(env, task, device)
+                self._deliver(env, msg, update, device, task_bytes, down_s, compute_s)
+        d.ack()
 
-        # 1. memory admission: nothing ever trains over budget
+    def _admitted(self, env: Envelope, msg: Task, task: TaskSpec, device: Device, task_bytes: int) -> bool:
+        """Memory admission: nothing ever trains over budget. A refused task is reported, never skipped."""
+        dev, tier = device.device_id, device.tier
         extra = self.strategy.task_extra_peak(task, len(self.data[dev].y_train))
-        verdict = admit(self.strategy.task_footprint(task), profile.memory_bytes, tier=tier, extra=extra)
+        verdict = admit(
+            self.strategy.task_footprint(task), device.profile.memory_bytes, tier=tier, extra=extra
+        )
         metrics.MEMORY_FOOTPRINT_BYTES.labels(self.experiment, self.algorithm, tier).set(
             verdict.footprint_bytes
         )
-        if not verdict.admitted:
-            self.log.info(verdict.detail, extra={"event": "reject", "device": dev, "reason": verdict.reason})
-            refusal = Reject(
-                device_id=dev,
-                reason=verdict.reason,
-                detail=verdict.detail,
-                footprint_bytes=verdict.footprint_bytes,
-                budget_bytes=verdict.budget_bytes,
-                task_bytes=task_bytes,
-                token=msg.token,
-            )
-            self._notify(env, dev, refusal, Kind.REJECT)
-            d.ack()
-            return
+        if verdict.admitted:
+            return True
+        self.log.info(verdict.detail, extra={"event": "reject", "device": dev, "reason": verdict.reason})
+        refusal = Reject(
+            device_id=dev,
+            reason=verdict.reason,
+            detail=verdict.detail,
+            footprint_bytes=verdict.footprint_bytes,
+            budget_bytes=verdict.budget_bytes,
+            task_bytes=task_bytes,
+            token=msg.token,
+        )
+        self._notify(env, dev, refusal, Kind.REJECT)
+        return False
 
-        # 2. download over the device's link, then maybe vanish
+    def _download(self, task: TaskSpec, device: Device, task_bytes: int) -> float:
+        """Emulate the task's download over the device's link; returns its emulated seconds."""
+        mode, factor = self.emulation.time_mode, self.emulation.time_factor
         t0 = time.perf_counter()
         messages = self.strategy.task_download_messages(task)
         down_s = emulate_transfer(
-            task_bytes, profile, "down", mode=mode, time_factor=factor, messages=messages
+            task_bytes, device.profile, "down", mode=mode, time_factor=factor, messages=messages
         )
-        self._observe(
-            metrics.CLIENT_TRANSFER_SECONDS,
-            tier,
-            down_s,
-            time.perf_counter() - t0 if real else None,
-            direction="down",
-        )
-        if dropout_point(device, env.round, self.exp.cfg.seed) is not None:
-            self.log.info("device %d dropped out", dev, extra={"event": "dropout", "device": dev})
-            if not real:
-                # In virtual time the server's deadline would pass at no cost; tell it now instead of
-                # making it wait in wall time. In real mode the device just goes silent.
-                self._notify(
-                    env,
-                    dev,
-                    Reject(device_id=dev, reason="dropout", task_bytes=task_bytes, token=msg.token),
-                    Kind.REJECT,
-                )
-            d.ack()
-            return
+        real_s = time.perf_counter() - t0 if mode == "real" else None
+        self._observe(metrics.CLIENT_TRANSFER_SECONDS, device.tier, down_s, real_s, direction="down")
+        return down_s
 
-        # 3. train, and emulate the compute time of the task's FLOPs
-        ctx = self._context(dev, env.round)
+    def _dropped_out(self, env: Envelope, msg: Task, device: Device, task_bytes: int) -> bool:
+        """The device's availability coin for this round: True if it vanishes after the download."""
+        dev = device.device_id
+        if dropout_point(device, env.round, self.exp.cfg.seed) is None:
+            return False
+        self.log.info("device %d dropped out", dev, extra={"event": "dropout", "device": dev})
+        if self.emulation.time_mode != "real":
+            # In virtual time the server's deadline would pass at no cost; tell it now instead of
+            # making it wait in wall time. In real mode the device just goes silent.
+            notice = Reject(device_id=dev, reason="dropout", task_bytes=task_bytes, token=msg.token)
+            self._notify(env, dev, notice, Kind.REJECT)
+        return True
+
+    def _train(self, env: Envelope, task: TaskSpec, device: Device) -> tuple[UpdateSpec, float]:
+        """Train with the strategy's client half; returns the update and the emulated compute seconds
+        of its FLOPs (the update's ``train_flops`` metric is set to them)."""
+        dev, tier = device.device_id, device.tier
+        mode, factor = self.emulation.time_mode, self.emulation.time_factor
         started = time.perf_counter()
-        update = self.strategy.train(task, ctx)
+        update = self.strategy.train(task, self._context(dev, env.round))
         trained_s = time.perf_counter() - started
         metrics.CLIENT_TRAIN_SECONDS.labels(self.experiment, self.algorithm, tier).observe(trained_s)
         # a strategy whose cost depends on what training produced (e.g. the density SpaFL reached)
         # reports it; otherwise the accountant's count of the task
-        reported = update.metrics.get("train_flops")
+        reported = update.metrics.get(MetricKey.TRAIN_FLOPS)
         flops = int(reported) if reported else self.strategy.task_flops(task, len(self.data[dev].y_train))
-        compute_s = emulate_compute(flops, profile, mode=mode, time_factor=factor, measured_s=trained_s)
-        self._observe(
-            metrics.CLIENT_COMPUTE_SECONDS, tier, compute_s, time.perf_counter() - started if real else None
+        compute_s = emulate_compute(
+            flops, device.profile, mode=mode, time_factor=factor, measured_s=trained_s
         )
+        real_s = time.perf_counter() - started if mode == "real" else None
+        self._observe(metrics.CLIENT_COMPUTE_SECONDS, tier, compute_s, real_s)
+        update.metrics = self._finite_metrics(dev, {**update.metrics, MetricKey.TRAIN_FLOPS: float(flops)})
+        return update, compute_s
 
-        # 4. upload: the wire size is known once encoded (timings are fixed-size floats, so filling
-        #    them in does not change it)
+    def _finite_metrics(self, dev: int, reported: dict[str, float]) -> dict[str, float]:
+        """Drop non-finite numbers a strategy reported (a diverged loss): the wire schema refuses them,
+        and losing the whole update over a diagnostic would stall the round."""
+        bad = sorted(k for k, v in reported.items() if not math.isfinite(v))
+        if bad:
+            self.log.warning(
+                "device %d reported non-finite %s; not sent",
+                dev,
+                ", ".join(bad),
+                extra={"event": "non_finite_metric", "device": dev},
+            )
+        return {k: v for k, v in reported.items() if k not in bad}
+
+    def _deliver(
+        self,
+        env: Envelope,
+        msg: Task,
+        update: UpdateSpec,
+        device: Device,
+        task_bytes: int,
+        down_s: float,
+        compute_s: float,
+    ) -> None:
+        """Encode the update and upload it — or, in first-finishers rounds, hold it and report ``ready``."""
+        dev = device.device_id
         tensors, dense = encode_tensors(update.tensors)
-        metrics_out = {**update.metrics, "train_flops": float(flops)}
 
         def body(up_s: float) -> bytes:
             upd = Update(
                 device_id=dev,
                 num_samples=update.num_samples,
                 tensors=tensors,
-                metrics=metrics_out,
+                metrics=update.metrics,
                 task_bytes=task_bytes,
-                timings={"download_s": down_s, "compute_s": compute_s, "upload_s": up_s},
+                timings=Timings(download_s=down_s, compute_s=compute_s, upload_s=up_s),
                 token=msg.token,
             )
             return encode(
                 Kind.UPDATE, upd, exp=self.experiment, round=env.round, sender=f"device-{dev}", inc=env.inc
             )
 
-        size = len(body(0.0))
-        up_s = transfer_seconds(size, profile.uplink_bps, profile.latency_s)
+        # the wire size is known once encoded (timings are fixed-size floats, so filling them in
+        # does not change it)
+        up_s = transfer_seconds(len(body(0.0)), device.profile.uplink_bps, device.profile.latency_s)
         data = body(up_s)
         if self.ready_protocol:
             self.held[(env.inc, env.round, dev)] = _Held(data, dense, up_s, device)
@@ -262,7 +300,6 @@ class Client(ServiceBase):
             self._notify(env, dev, ready, Kind.READY)
         else:
             self._upload(data, dense, device, up_s)
-        d.ack()
 
     def _upload(self, data: bytes, dense: int, device: Device, up_s: float) -> None:
         real = self.emulation.time_mode == "real"

@@ -1,0 +1,539 @@
+"""Start and drive an experiment's services: in one process, or as one OS process per service.
+
+Why one module: ``fedfleet run``, the tests and the benchmark scripts all need "server + aggregators +
+clients of this experiment, driven until the server stops, with a look at every finished round".
+Wired separately in each, the copies drifted (a test's cluster hosted devices differently from the
+CLI's). Here it exists once:
+
+* :class:`InprocCluster` — the services as objects in this process, each with its own transport
+  connection: the in-process broker by default (fast, no broker), or any transport factory, e.g. a
+  RabbitMQ connection per service (the real broker, without paying a torch import per process).
+  ``run(on_round=...)`` calls the hook as soon as a round's row exists, before any device trains for
+  the next round.
+* :class:`ProcessCluster` — the services as OS processes (``python -m services.cli server|...``),
+  each with its log file and metrics port; what ``fedfleet run`` and the end-to-end tests start,
+  and what a test can SIGKILL like a real crash.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+
+from shared.config import ExperimentConfig, dump_config
+from shared.results import read_rounds
+
+if TYPE_CHECKING:  # torch stays out of the import path of ``fedfleet run``'s parent process
+    from services.aggregator.service import Aggregator
+    from services.client.service import Client
+    from services.common import ServiceBase
+    from services.server.service import Server
+    from shared.experiment import Experiment
+    from shared.transport import Transport
+
+console = Console(stderr=True)
+ROOT = Path(__file__).resolve().parents[1]
+
+#: called with the server once a round's row is written (``server.rows[-1]``)
+RoundHook = Callable[["Server"], None]
+
+
+def client_ranges(num_devices: int, clients: int) -> list[list[int]]:
+    """The devices each of ``clients`` client processes hosts: dealt round-robin, so every process
+    gets a mix of the fleet's tiers."""
+    clients = min(clients, num_devices)
+    return [list(range(num_devices))[i::clients] for i in range(clients)]
+
+
+# -- progress --------------------------------------------------------------------------------------
+class RoundProgress:
+    """A rich progress bar over rounds: accuracy and megabytes on the wire so far."""
+
+    def __init__(self, total: int, *, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self._progress = Progress(
+            TextColumn("[bold]round {task.completed:.0f}/{task.total:.0f}"),
+            BarColumn(),
+            TextColumn("acc {task.fields[acc]}"),
+            TextColumn("· {task.fields[mb]} MB"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=False,
+            disable=not enabled,
+        )
+        self._task: TaskID = self._progress.add_task("rounds", total=total, acc="-", mb="0.0")
+
+    def __enter__(self) -> RoundProgress:
+        self._progress.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._progress.__exit__(None, None, None)
+
+    def update(self, rows: list[dict[str, Any]]) -> None:
+        if not rows:
+            return
+        last = rows[-1]
+        accs = [r["accuracy"] for r in rows if r.get("accuracy") is not None]
+        mb = (last["cum_bytes_up"] + last["cum_bytes_down"]) / 1e6
+        acc = f"{accs[-1]:.3f}" if accs else "-"
+        self._progress.update(self._task, completed=len(rows), acc=acc, mb=f"{mb:.1f}")
+
+
+# -- in one process --------------------------------------------------------------------------------
+class InprocCluster:
+    """The experiment's services as objects in this process, driven round-robin by :meth:`run`.
+
+    ``transport`` makes each service's connection (default: a shared in-process broker). Services can
+    be added and removed while the run goes on — what the fault tests do to emulate a late start or
+    a crash (:meth:`crash` closes a service's connection without any clean-up, as a SIGKILL would).
+    """
+
+    def __init__(
+        self,
+        exp: Experiment,
+        run_dir: Path,
+        experiment_id: str,
+        *,
+        transport: Callable[[], Transport] | None = None,
+        aggregators: int | None = None,
+        clients: int | None = None,
+        state_dir: Path | None = None,
+    ) -> None:
+        from services.server.service import Server
+
+        self.exp, self.cfg, self.run_dir, self.experiment_id = exp, exp.cfg, run_dir, experiment_id
+        self.state_dir = state_dir or run_dir / "device-state"
+        if transport is None:
+            from shared.transport.inproc import InprocBroker, InprocTransport
+
+            self.broker: InprocBroker | None = InprocBroker()
+            broker = self.broker
+            self._transport: Callable[[], Transport] = lambda: InprocTransport(broker, experiment_id)
+        else:
+            self.broker, self._transport = None, transport
+        self.server = Server(self._transport(), exp, run_dir, experiment_id=experiment_id)
+        self.services: list[ServiceBase] = [self.server]
+        for i in range(self.cfg.processes.aggregators if aggregators is None else aggregators):
+            self.add_aggregator(f"agg-{i}")
+        n_clients = self.cfg.processes.clients if clients is None else clients
+        for i, devices in enumerate(client_ranges(self.cfg.num_devices, n_clients)):
+            self.add_client(f"client-{i}", devices)
+
+    @property
+    def aggregators(self) -> list[Aggregator]:
+        from services.aggregator.service import Aggregator
+
+        return [s for s in self.services if isinstance(s, Aggregator)]
+
+    @property
+    def clients(self) -> list[Client]:
+        from services.client.service import Client
+
+        return [s for s in self.services if isinstance(s, Client)]
+
+    def add_aggregator(self, name: str) -> Aggregator:
+        from services.aggregator.service import Aggregator
+
+        agg = Aggregator(
+            self._transport(),
+            self.exp.strategy,
+            experiment_id=self.experiment_id,
+            algorithm=self.cfg.algorithm.name,
+            aggregator_id=name,
+            prefetch=self.cfg.processes.prefetch,
+            max_bytes=self.cfg.processes.max_message_bytes,
+        )
+        self.services.append(agg)
+        return agg
+
+    def add_client(self, name: str, devices: list[int]) -> Client:
+        from services.client.service import Client
+
+        client = Client(
+            self._transport(),
+            self.exp,
+            experiment_id=self.experiment_id,
+            client_id=name,
+            device_ids=devices,
+            state_dir=self.state_dir,
+        )
+        self.services.append(client)
+        return client
+
+    def crash(self, service: ServiceBase) -> None:
+        """Take a service away as a crash would: its connection closes, its unacked messages are
+        redelivered to others, and nothing of it runs again."""
+        service.transport.close()
+        self.services.remove(service)
+
+    def step(self, after_each: Callable[[], None] | None = None) -> None:
+        """One pass: every service handles what is ready for it, then runs its timers; ``after_each``
+        runs after each service's turn."""
+        for svc in list(self.services):
+            if svc in self.services:  # a hook may have crashed it during this pass
+                svc.transport.process(0)
+                svc.tick()
+                if after_each is not None:
+                    after_each()
+
+    def run(
+        self,
+        *,
+        on_round: RoundHook | None = None,
+        on_step: Callable[[], None] | None = None,
+        progress: RoundProgress | None = None,
+        until: Callable[[], bool] | None = None,
+        max_steps: int | None = None,
+    ) -> int:
+        """Drive every service until the server stops (or ``until()`` holds); returns an exit code.
+
+        ``on_round(server)`` runs once per finished round, right after the server's turn that wrote
+        its row — before any client handles the next round's task, so a hook sees exactly the
+        rounds so far (counters included). ``on_step()`` runs after every service's turn (fault
+        tests inject their faults there).
+        """
+        seen = len(self.server.rows)
+
+        def after_each() -> None:
+            nonlocal seen
+            if len(self.server.rows) > seen:
+                seen = len(self.server.rows)
+                if on_round is not None:
+                    on_round(self.server)
+                if progress is not None:
+                    progress.update(self.server.rows)
+            if on_step is not None:
+                on_step()
+
+        steps = 0
+        while not self.server.stopped and not (until is not None and until()):
+            self.step(after_each)
+            steps += 1
+            if max_steps is not None and steps >= max_steps:
+                raise RuntimeError(f"the run did not finish within {max_steps} passes")
+            if self.broker is not None and self.broker.pending() == 0:
+                time.sleep(0.001)
+        return 1 if self.server.error else 0
+
+    def close(self) -> None:
+        for svc in self.services:
+            svc.transport.close()
+
+
+def run_inproc(
+    cfg: ExperimentConfig,
+    run_dir: Path,
+    run_id: str,
+    *,
+    exp: Experiment | None = None,
+    on_round: RoundHook | None = None,
+    show_progress: bool = True,
+) -> int:
+    """Run ``cfg`` with every service in this process over the in-process broker; returns an exit code.
+
+    ``exp`` lets a caller pass an experiment it has instrumented (e.g. a wrapped ``strategy.train``).
+    """
+    from services.common import setup_logging
+    from shared.experiment import Experiment
+
+    setup_logging("WARNING")
+    cluster = InprocCluster(exp if exp is not None else Experiment.build(cfg), run_dir, run_id)
+    try:
+        with RoundProgress(cfg.rounds, enabled=show_progress) as progress:
+            return cluster.run(on_round=on_round, progress=progress)
+    finally:
+        cluster.close()
+
+
+def run_inproc_once(cfg: ExperimentConfig, run_dir: Path, run_id: str, *, force: bool = False) -> bool:
+    """Run ``cfg`` in process into ``run_dir`` (with its resolved ``config.yaml``) unless a finished
+    run is already there; True if it ran.
+
+    Why: the benchmark scripts run dozens of configurations and are invoked again to add a row or
+    re-render a table, so a finished run (its ``summary.json``) is reused and a half-written one is
+    replaced. A failed run raises: a table must not quietly lose a row.
+    """
+    if (run_dir / "summary.json").exists() and not force:
+        return False
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    started = time.time()
+    rc = run_inproc(cfg, run_dir, run_id)
+    if rc != 0:
+        raise RuntimeError(f"{cfg.name}: the in-process run failed (exit code {rc}), see {run_dir}")
+    print(f"  {cfg.name}: {time.time() - started:.0f}s", file=sys.stderr, flush=True)
+    return True
+
+
+# -- one OS process per service --------------------------------------------------------------------
+class ServiceProcess:
+    """One service as an OS process (``python -m services.cli ...``) with its log file; killable
+    like a real crash."""
+
+    def __init__(self, name: str, argv: list[str], log: Path, env: dict[str, str]) -> None:
+        self.name = name
+        self.log = log
+        self._fh = log.open("wb")
+        self.p = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", *argv], stdout=self._fh, stderr=self._fh, env=env, cwd=ROOT
+        )
+
+    @property
+    def returncode(self) -> int | None:
+        return self.p.poll()
+
+    def alive(self) -> bool:
+        return self.p.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL: no clean-up of any kind, as a crash or an OOM kill."""
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGKILL)
+            self.p.wait()
+
+    def terminate(self) -> None:
+        if self.p.poll() is None:
+            self.p.terminate()
+
+    def stop(self, timeout: float = 10) -> None:
+        """SIGTERM, then SIGKILL after ``timeout`` seconds."""
+        if self.p.poll() is None:
+            self.p.terminate()
+            try:
+                self.p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._fh.close()
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.p.wait(timeout)
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free TCP ports for child processes to serve on.
+
+    Why not one free port n times: each call frees its port before the next asks, so the kernel may
+    hand the same port out twice, and the second service to bind it dies at start-up. Holding all n
+    sockets until every port is chosen makes them distinct.
+    """
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("0.0.0.0", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def free_port(preferred: int) -> int:
+    """``preferred`` if it is free, else any free port."""
+    for port in [preferred, 0]:
+        with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+            try:
+                s.bind(("0.0.0.0", port))
+                return int(s.getsockname()[1])
+            except OSError:
+                continue
+    raise RuntimeError("no free port")
+
+
+class ProcessCluster:
+    """The services of one experiment as OS processes against one broker.
+
+    ``url`` is the broker every process gets as ``RABBITMQ_URL``; ``logs`` receives one log file per
+    process. Metrics ports: ``metrics_port(name)`` decides (default 0 = off).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        experiment_id: str,
+        config: Path,
+        run_dir: Path,
+        *,
+        logs: Path | None = None,
+        state_dir: Path | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.url, self.experiment_id, self.config, self.run_dir = url, experiment_id, config, run_dir
+        self.logs = logs or run_dir / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.state_dir = state_dir or run_dir / "device-state"
+        self.procs: list[ServiceProcess] = []
+        self.ports: dict[str, int] = {}
+        self.env = dict(env if env is not None else os.environ, RABBITMQ_URL=url, PYTHONPATH=str(ROOT))
+
+    def start(self, name: str, argv: list[str], metrics_port: int = 0) -> ServiceProcess:
+        common = ["--config", str(self.config), "--experiment", self.experiment_id]
+        proc = ServiceProcess(
+            name, [*argv, *common, "--metrics-port", str(metrics_port)], self.logs / f"{name}.log", self.env
+        )
+        self.procs.append(proc)
+        if metrics_port:
+            self.ports[name] = metrics_port
+        return proc
+
+    def server(self, name: str = "server", *, metrics_port: int = 0) -> ServiceProcess:
+        return self.start(name, ["server", "--run-dir", str(self.run_dir)], metrics_port=metrics_port)
+
+    def aggregator(self, name: str, *, metrics_port: int = 0) -> ServiceProcess:
+        return self.start(name, ["aggregator", "--id", name], metrics_port=metrics_port)
+
+    def client(self, name: str, devices: str, *, metrics_port: int = 0) -> ServiceProcess:
+        argv = ["client", "--id", name, "--devices", devices, "--state-dir", str(self.state_dir)]
+        return self.start(name, argv, metrics_port=metrics_port)
+
+    def standard(self, cfg: ExperimentConfig, *, aggregators: int, clients: int, base_port: int = 0) -> None:
+        """A server, ``aggregators`` aggregators and ``clients`` clients sharing the fleet round-robin.
+
+        ``base_port`` > 0: metrics ports from there on (skipping taken ones); 0: no metrics endpoint.
+        """
+        port = base_port
+
+        def next_port() -> int:
+            nonlocal port
+            if not base_port:
+                return 0
+            chosen = free_port(port)
+            port = chosen + 1
+            return chosen
+
+        self.server(metrics_port=next_port())
+        for i in range(aggregators):
+            self.aggregator(f"aggregator-{i}", metrics_port=next_port())
+        for i, devs in enumerate(client_ranges(cfg.num_devices, clients)):
+            self.client(f"client-{i}", ",".join(map(str, devs)), metrics_port=next_port())
+
+    def get(self, name: str) -> ServiceProcess:
+        return next(p for p in self.procs if p.name == name)
+
+    def others(self) -> Iterator[ServiceProcess]:
+        return (p for p in self.procs if p.name != "server")
+
+    def stop_all(self) -> None:
+        for p in self.procs:
+            p.stop()
+
+    def client_queues(self) -> list[str]:
+        from shared.transport import names
+
+        return [names(self.experiment_id).client_queue(p.name) for p in self.procs if "client" in p.name]
+
+    def cleanup_broker(self) -> None:
+        """Delete the experiment's queues and exchanges (a finished run leaves none behind)."""
+        from shared.transport.amqp import AmqpTransport
+
+        t = AmqpTransport(self.url, self.experiment_id)
+        try:
+            t.delete_experiment([t.names.server_queue, t.names.updates_queue, *self.client_queues()])
+        finally:
+            t.close()
+
+    def wait_for_server(self, progress: RoundProgress | None = None, *, orphan_timeout_s: float = 60) -> int:
+        """Wait for the server process to exit, showing progress; returns its exit code.
+
+        A service that dies is reported once. If every other service has exited while the server
+        still runs for ``orphan_timeout_s``, the server can never finish: it is stopped.
+        """
+        server = self.get("server")
+        reported: set[str] = set()
+        orphaned_since: float | None = None
+        while server.alive():
+            time.sleep(0.25)
+            if progress is not None:
+                progress.update(read_rounds(self.run_dir))
+            for proc in self.others():
+                if proc.returncode not in (None, 0) and proc.name not in reported:
+                    reported.add(proc.name)
+                    console.print(
+                        f"[yellow]{proc.name} exited with {proc.returncode}; see {proc.log}[/yellow]"
+                    )
+            if all(not p.alive() for p in self.others()):
+                orphaned_since = orphaned_since or time.time()
+                if time.time() - orphaned_since > orphan_timeout_s:
+                    console.print("[red]every aggregator and client has exited; stopping the server[/red]")
+                    server.terminate()
+        if progress is not None:
+            progress.update(read_rounds(self.run_dir))
+        return server.wait()
+
+    def shutdown(self, rc: int, grace_s: float = 15) -> None:
+        """After the server exited: let the others exit on its ``stop`` (or stop them when the run
+        failed), killing whatever is still running after ``grace_s``."""
+        deadline = time.time() + grace_s
+        for proc in self.procs:
+            if rc != 0:
+                proc.terminate()
+        for proc in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.1, deadline - time.time()))
+            proc.stop(timeout=0.1)
+
+
+def run_processes(
+    cfg: ExperimentConfig,
+    run_dir: Path,
+    run_id: str,
+    url: str,
+    *,
+    aggregators: int,
+    clients: int,
+    base_port: int,
+) -> int:
+    """``fedfleet run`` over RabbitMQ: every service its own process; returns the server's exit code."""
+    cluster = ProcessCluster(url, run_id, run_dir / "config.yaml", run_dir)
+    cluster.standard(cfg, aggregators=aggregators, clients=clients, base_port=base_port)
+    (run_dir / "ports.json").write_text(json.dumps(cluster.ports, indent=2))
+    rc = 0
+    try:
+        with RoundProgress(cfg.rounds) as progress:
+            rc = cluster.wait_for_server(progress)
+    except KeyboardInterrupt:
+        console.print(
+            "[yellow]interrupted: stopping services (the server checkpoint allows a resume)[/yellow]"
+        )
+        rc = 130
+    finally:
+        cluster.shutdown(rc)
+    if rc != 0:
+        log = cluster.get("server").log
+        console.print(f"[red]server exited with {rc}[/red]; last lines of {log}:")
+        for line in log.read_text(errors="replace").splitlines()[-5:]:
+            console.print(line, markup=False)
+        return rc if rc > 0 else 1
+    _record_dead_letters_and_clean(cluster)
+    return 0
+
+
+def _record_dead_letters_and_clean(cluster: ProcessCluster) -> None:
+    """Record the dead-letter count in ``summary.json``, then delete the experiment's queues."""
+    from shared.results import read_summary, write_summary
+    from shared.transport.amqp import AmqpTransport
+
+    t = AmqpTransport(cluster.url, cluster.experiment_id)
+    try:
+        summary = read_summary(cluster.run_dir)
+        summary["dead_lettered"] = t.queue_depth(t.names.dead_letter_queue)
+        write_summary(cluster.run_dir, summary)
+    finally:
+        t.close()
+    cluster.cleanup_broker()
