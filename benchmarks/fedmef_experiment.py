@@ -44,8 +44,8 @@ sys.path.insert(0, str(ROOT))
 
 from services.orchestrator import run_inproc_once  # noqa: E402
 from shared.algorithms.base import ServerState  # noqa: E402
+from shared.algorithms.dynamic_pruning import DynamicPruning  # noqa: E402
 from shared.algorithms.fedmef import conv_output_stats  # noqa: E402
-from shared.algorithms.fedtiny import DynamicPruning  # noqa: E402
 from shared.config import parse_config  # noqa: E402
 from shared.experiment import Experiment  # noqa: E402
 from shared.models.dynamic_sparse import memory_model  # noqa: E402

@@ -211,7 +211,12 @@ def test_bad_input_is_dead_lettered_and_changes_nothing(cluster: Any, tmp_path: 
     exp = Experiment.build(load_config(config))
     transport = AmqpTransport(c.url, c.experiment_id)
     client = InjectingClient(
-        transport, exp, experiment_id=c.experiment_id, client_id="evil", device_ids=[0], state_dir=tmp_path / "evil"
+        transport,
+        exp,
+        experiment_id=c.experiment_id,
+        client_id="evil",
+        device_ids=[0],
+        state_dir=tmp_path / "evil",
     )
     thread = threading.Thread(target=client.run, daemon=True)
     thread.start()

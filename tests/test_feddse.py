@@ -22,7 +22,7 @@ from prometheus_client import REGISTRY
 from shared import codec
 from shared.algorithms.base import DeviceContext, Partial, Strategy, TaskSpec, UpdateSpec, derive_seed
 from shared.algorithms.feddse import FedDSE, select_units
-from shared.algorithms.heterofl import LASTSEL, WidthSliceStrategy
+from shared.algorithms.width_slicing import LASTSEL, WidthSliceStrategy
 from shared.config import load_config
 from shared.experiment import Experiment
 from shared.models.width_slice import unit_scores

@@ -19,9 +19,10 @@ from hypothesis import strategies as st
 from services.orchestrator import run_inproc
 from shared import codec
 from shared.algorithms.base import DeviceContext, Partial, Strategy, UpdateSpec, model_arrays
+from shared.algorithms.dynamic_pruning import GRAD, MASK, PRE, DynamicPruning
 from shared.algorithms.feddst import FedDST
 from shared.algorithms.fedmef import FedMef
-from shared.algorithms.fedtiny import GRAD, MASK, PRE, DynamicPruning, FedTiny
+from shared.algorithms.fedtiny import FedTiny
 from shared.config import load_config
 from shared.devices import admit
 from shared.experiment import Experiment

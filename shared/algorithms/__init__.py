@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from shared.algorithms.base import Strategy, StrategyContext
 from shared.config import TrainConfig
 
-_INFRA = {"base", "training"}
+_INFRA = {"base", "training", "device_state", "dynamic_pruning", "width_slicing"}
 
 
 def _discover() -> dict[str, type[Strategy]]:

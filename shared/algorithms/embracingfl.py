@@ -73,7 +73,7 @@ from shared.algorithms.base import (
     load_arrays,
     model_arrays,
 )
-from shared.algorithms.training import evaluate
+from shared.algorithms.training import evaluate, local_sgd
 from shared.devices import TrainingFootprint, embracingfl_capacity, layer_flops, training_footprint
 from shared.models.partial_training import LayerSplit
 
@@ -345,33 +345,17 @@ class EmbracingFL(Strategy):
         # Alg. 2: τ SGD steps on the suffix, minibatches drawn from the cached activations
         suffix = split.chain(model, cut, L).train()
         params = [p for name, p in model.named_parameters() if name in trainable]
-        opt = torch.optim.SGD(
-            params, lr=train_cfg.lr, momentum=train_cfg.momentum, weight_decay=train_cfg.weight_decay
-        )
-        rng = np.random.default_rng(device.seed)
         n, b = len(y), train_cfg.batch_size
         steps = self.opts.local_steps or train_cfg.local_epochs * -(-n // b)
-        loss_fn = nn.CrossEntropyLoss()
-        losses: list[float] = []
-        order = rng.permutation(n)
-        pos = 0
-        for _ in range(steps):
-            if pos >= n:  # a new pass over the data: sampling without replacement within a pass
-                order, pos = rng.permutation(n), 0
-            idx = torch.from_numpy(order[pos : pos + b])
-            pos += b
-            opt.zero_grad(set_to_none=True)
-            loss = loss_fn(suffix(cached[idx]), y[idx])
-            loss.backward()
-            opt.step()
-            losses.append(float(loss.detach()))
+        # sampling without replacement within a pass, reshuffled at each pass boundary
+        stats = local_sgd(suffix, cached, y, train_cfg, device.seed, params=params, steps=steps)
 
         trained = model_arrays(model)
         names = split.suffix_state(cut)
         up_params = int(sum(trained[k].size for k in names))
         metrics = {
-            "train_loss": float(np.mean(losses)) if losses else 0.0,
-            "steps": float(steps),
+            "train_loss": stats["train_loss"],
+            "steps": stats["steps"],
             "cut": float(cut),
             "blocks_trained": float(L - cut + 1),
             "strong": float(cut == 1),

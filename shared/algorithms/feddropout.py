@@ -15,7 +15,7 @@ from typing import ClassVar
 import numpy as np
 
 from shared.algorithms.base import derive_seed
-from shared.algorithms.heterofl import WidthSliceStrategy
+from shared.algorithms.width_slicing import WidthSliceStrategy
 from shared.models.width_slice import Counts, Selection
 
 

@@ -41,7 +41,7 @@ from shared.algorithms.base import (
     load_arrays,
     model_arrays,
 )
-from shared.algorithms.heterofl import WidthSliceStrategy
+from shared.algorithms.width_slicing import WidthSliceStrategy
 from shared.models.width_slice import Counts, Selection, WidthOptions, any_to_dense, unit_scores
 
 

@@ -26,8 +26,9 @@ import torch
 
 from shared import codec
 from shared.algorithms.base import DeviceContext, Partial, ServerState, TaskSpec, UpdateSpec, model_arrays
-from shared.algorithms.fedtiny import DynamicPruning
-from shared.models.dynamic_sparse import growth_gradients, masked_sgd, prune_and_grow, set_masks
+from shared.algorithms.dynamic_pruning import DynamicPruning
+from shared.algorithms.training import local_sgd
+from shared.models.dynamic_sparse import growth_gradients, prune_and_grow, set_masks
 
 
 class FedDST(DynamicPruning):
@@ -45,8 +46,8 @@ class FedDST(DynamicPruning):
         first = max(1, math.ceil(epochs / 2))
         second = max(1, epochs - first)
         x, y = device.data.x_train, device.data.y_train
-        kw: dict[str, Any] = {"batch_size": self.ctx.train.batch_size, "lr": lambda _t: eta}
-        m1 = masked_sgd(model, masks, x, y, epochs=first, seed=device.seed, **kw)
+        train = self.ctx.train
+        m1 = local_sgd(model, x, y, train, device.seed, epochs=first, masks=masks, lr=lambda _t: eta)
         grads = growth_gradients(
             model, self.prunable, x, y, batch_size=self.ctx.train.batch_size, max_batches=1, last=True
         )
@@ -61,7 +62,7 @@ class FedDST(DynamicPruning):
                 new_masks[n] = torch.from_numpy(new.astype(np.float32))
                 params[n].mul_(new_masks[n])  # dropped weights go, grown ones start at 0
         set_masks(model, new_masks)
-        m2 = masked_sgd(model, new_masks, x, y, epochs=second, seed=device.seed + 1, step_offset=0, **kw)
+        m2 = local_sgd(model, x, y, train, device.seed + 1, epochs=second, masks=new_masks, lr=lambda _t: eta)
         state = model_arrays(model)
         tensors: dict[str, codec.Tensor] = {}
         for name in self._float_names:

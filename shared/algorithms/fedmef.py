@@ -1,7 +1,7 @@
 """FedMef (memory-efficient federated dynamic pruning): FedTiny's protocol plus BaE and SAP.
 
 Spec: ``../shared/specs/fedmef.md``. The server half, the wire format and the aggregation are
-FedTiny's (:class:`~shared.algorithms.fedtiny.DynamicPruning`); what differs is on the device:
+FedTiny's (:class:`~shared.algorithms.dynamic_pruning.DynamicPruning`); what differs is on the device:
 
 * **Budget-aware extrusion (BaE, §3.4)** — in an adjustment round every device marks θ_low, the ξ_l
   kept weights of smallest |θ| of the *received* model (the same set on every device), and trains on
@@ -32,8 +32,9 @@ from pydantic import Field
 from torch import nn
 
 from shared.algorithms.base import DeviceContext, StrategyContext
-from shared.algorithms.fedtiny import DynamicPruning, DynamicPruningOptions
-from shared.models.dynamic_sparse import extrusion_lr, masked_sgd, smallest_active, to_fedmef_model
+from shared.algorithms.dynamic_pruning import DynamicPruning, DynamicPruningOptions
+from shared.algorithms.training import local_sgd
+from shared.models.dynamic_sparse import extrusion_lr, smallest_active, to_fedmef_model
 
 
 class FedMefOptions(DynamicPruningOptions):
@@ -103,7 +104,7 @@ class FedMef(DynamicPruning):
         def low_values() -> list[torch.Tensor]:
             return [params[n].reshape(-1)[idx] for n, idx in low.items() if len(idx)]
 
-        def penalty() -> torch.Tensor:
+        def penalty(_: nn.Module) -> torch.Tensor:
             vals = low_values()
             if not vals:
                 return torch.zeros(())
@@ -116,14 +117,13 @@ class FedMef(DynamicPruning):
         n = len(device.data.y_train)
         budget = self.ctx.train.local_epochs * math.ceil(n / self.ctx.train.batch_size)
         start = low_norm()
-        metrics = masked_sgd(
+        metrics = local_sgd(
             model,
-            masks,
             device.data.x_train,
             device.data.y_train,
-            epochs=self.ctx.train.local_epochs,
-            batch_size=self.ctx.train.batch_size,
-            seed=device.seed,
+            self.ctx.train,
+            device.seed,
+            masks=masks,
             lr=lambda t: extrusion_lr(t, budget, low_norm(), eta0, eta_r),
             penalty=penalty,
         )

@@ -24,7 +24,7 @@ import numpy as np
 from pydantic import Field
 
 from shared.algorithms.base import Fleet, ServerState, TaskSpec
-from shared.algorithms.heterofl import WidthSliceStrategy
+from shared.algorithms.width_slicing import WidthSliceStrategy
 from shared.models.width_slice import Counts, Selection, WidthOptions
 
 

@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from shared.algorithms.base import DeviceContext, TaskSpec, UpdateSpec, derive_seed
-from shared.algorithms.heterofl import LabelMask, WidthSliceStrategy
 from shared.algorithms.training import local_sgd
+from shared.algorithms.width_slicing import LabelMask, WidthSliceStrategy
 from shared.models.width_slice import keep_count
 
 

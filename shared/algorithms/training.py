@@ -7,7 +7,7 @@ through the arguments, so the loop (seeded shuffling, batching, the optimizer) e
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -22,8 +22,8 @@ torch.set_num_threads(1)
 
 def local_sgd(
     model: nn.Module,
-    x: np.ndarray,
-    y: np.ndarray,
+    x: np.ndarray | torch.Tensor,
+    y: np.ndarray | torch.Tensor,
     train: TrainConfig,
     seed: int,
     *,
@@ -31,35 +31,69 @@ def local_sgd(
     penalty: Callable[[nn.Module], torch.Tensor] | None = None,
     after_step: Callable[[nn.Module], None] | None = None,
     epochs: int | None = None,
+    steps: int | None = None,
+    masks: Mapping[str, torch.Tensor] | None = None,
+    lr: Callable[[int], float] | None = None,
 ) -> dict[str, float]:
-    """Run SGD over the local data; returns the mean training loss and the number of steps.
+    """The one local training loop: SGD over the local data with every ``train.*`` option honoured
+    (learning rate, momentum, weight decay, gradient clipping, ``drop_last``, ``local_steps``).
 
-    The length is ``epochs`` passes when given, else ``train.local_steps`` steps when set (passes
-    over reshuffled data until that many steps are done), else ``train.local_epochs`` passes.
+    What differs between algorithms enters through the arguments:
+
+    * ``params`` — which parameters train (default: every one that requires a gradient);
+    * ``penalty(model)`` — added to the loss (SpaFL's threshold term, FedMef's extrusion); the
+      reported loss is the task loss alone;
+    * ``after_step(model)`` — runs after each step (clamps, collapse guards);
+    * ``masks`` — parameter name → 0/1 tensor: the gradient is multiplied by it before the step, so a
+      pruned position (held at 0) never moves (dynamic pruning's θ ← θ − μ (g ⊙ m));
+    * ``lr(step)`` — a per-step learning rate (FedMef's extrusion schedule) instead of ``train.lr``;
+    * ``x`` may be a tensor of cached features (EmbracingFL trains the suffix on the cached output
+      of the frozen prefix).
+
+    The length is ``epochs`` passes when given, else ``steps`` steps, else ``train.local_steps``
+    steps when set (passes over reshuffled data until that many steps are done), else
+    ``train.local_epochs`` passes. Returns the mean training loss and the number of steps (and, with
+    a schedule, the largest and mean rate used).
     """
     model.train()
-    trainable = list(params) if params is not None else [p for p in model.parameters() if p.requires_grad]
+    named = dict(model.named_parameters())
+    trainable = list(params) if params is not None else [p for p in named.values() if p.requires_grad]
+    masked = [(named[name], m) for name, m in (masks or {}).items()]
     opt = torch.optim.SGD(trainable, lr=train.lr, momentum=train.momentum, weight_decay=train.weight_decay)
     rng = np.random.default_rng(seed)
-    xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
-    yt = torch.from_numpy(np.ascontiguousarray(y, dtype=np.int64))
-    n = len(yt)
+    xt = x if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    yt = y if isinstance(y, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(y, dtype=np.int64))
     losses: list[float] = []
+    rates: list[float] = []
     loss_fn = nn.CrossEntropyLoss()
-    steps = train.local_steps if epochs is None else None
+    if epochs is None and steps is None:
+        steps = train.local_steps
     passes = epochs if epochs is not None else train.local_epochs
-    for idx in _minibatches(rng, n, train, passes, steps):
+    for step, idx in enumerate(
+        _minibatches(rng, len(yt), train, passes, None if epochs is not None else steps)
+    ):
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(model(xt[idx]), yt[idx])
         total = loss + penalty(model) if penalty is not None else loss
         total.backward()
+        for p, m in masked:
+            if p.grad is not None:
+                p.grad.mul_(m)
         if train.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(trainable, train.clip_grad_norm)
+        if lr is not None:
+            rate = lr(step)
+            for group in opt.param_groups:
+                group["lr"] = rate
+            rates.append(rate)
         opt.step()
         if after_step is not None:
             after_step(model)
         losses.append(float(loss.detach()))
-    return {"train_loss": float(np.mean(losses)) if losses else 0.0, "steps": float(len(losses))}
+    out = {"train_loss": float(np.mean(losses)) if losses else 0.0, "steps": float(len(losses))}
+    if lr is not None:
+        out.update(lr_max=max(rates, default=0.0), lr_mean=float(np.mean(rates)) if rates else 0.0)
+    return out
 
 
 def _minibatches(

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -529,60 +529,6 @@ def set_masks(model: nn.Module, masks: Mapping[str, torch.Tensor]) -> None:
 
 
 # -- the masked SGD loop -----------------------------------------------------------------------------
-
-
-def masked_sgd(
-    model: nn.Module,
-    masks: Mapping[str, torch.Tensor],
-    x: np.ndarray,
-    y: np.ndarray,
-    *,
-    epochs: int,
-    batch_size: int,
-    seed: int,
-    lr: Callable[[int], float],
-    penalty: Callable[[], torch.Tensor] | None = None,
-    step_offset: int = 0,
-) -> dict[str, float]:
-    """Plain SGD θ ← θ − μ_t (g ⊙ m) (Alg. 1 lines 10/12) with a per-step rate ``lr(step)``.
-
-    Masked positions hold 0 and receive no update, so the support never changes during local training.
-    ``penalty`` (BaE's λ‖θ_low‖²) is added to the loss; the reported loss is the task loss alone.
-    """
-    model.train()
-    params = dict(model.named_parameters())
-    rng = np.random.default_rng(seed)
-    xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
-    yt = torch.from_numpy(np.ascontiguousarray(y, dtype=np.int64))
-    n = len(yt)
-    losses: list[float] = []
-    lrs: list[float] = []
-    step = step_offset
-    for _ in range(epochs):
-        order = torch.from_numpy(rng.permutation(n))
-        for start in range(0, n, batch_size):
-            idx = order[start : start + batch_size]
-            for p in params.values():
-                p.grad = None
-            loss = F.cross_entropy(model(xt[idx]), yt[idx])
-            total = loss + penalty() if penalty is not None else loss
-            total.backward()
-            mu = lr(step)
-            with torch.no_grad():
-                for name, p in params.items():
-                    if p.grad is None:
-                        continue
-                    g = p.grad * masks[name] if name in masks else p.grad
-                    p.sub_(mu * g)
-            losses.append(float(loss.detach()))
-            lrs.append(mu)
-            step += 1
-    return {
-        "train_loss": float(np.mean(losses)) if losses else 0.0,
-        "steps": float(len(losses)),
-        "lr_max": max(lrs, default=0.0),
-        "lr_mean": float(np.mean(lrs)) if lrs else 0.0,
-    }
 
 
 def growth_gradients(
