@@ -82,13 +82,13 @@ METHODS = ("efl", "drop", "wr-budget", "wr-paper")
 
 
 def _algorithm(method: str) -> dict[str, Any]:
-    efl = {"client_types": "budget", "local_steps": None, "aggregation": "per_layer", "weighting": "uniform"}
+    efl = {"client_types": "budget", "aggregation": "per_layer", "weighting": "uniform"}
     if method == "efl":
         return {"name": "embracingfl", "options": efl}
     if method == "drop":
         return {"name": "embracingfl", "options": {**efl, "partial_training": False}}
     if method == "efl-tau10":  # the spec's exact local procedure: τ = 10 steps whatever |D_i|
-        return {"name": "embracingfl", "options": {**efl, "local_steps": 10}}
+        return {"name": "embracingfl", "options": efl}  # with train.local_steps = 10 (``_config``)
     if method == "efl-whole":  # App. 6.1's "whole models are averaged" reading (spec §9 item 2)
         return {"name": "embracingfl", "options": {**efl, "aggregation": "whole_model"}}
     wr: dict[str, Any] = {"capacity": "budget", "weighting": "uniform"}
@@ -131,6 +131,11 @@ def _config(exp: str, key: str, method: str, seed: int, alpha: float, rounds: in
             "assignment": "shuffled",
             "tiers": _tiers({"strong": s, "moderate": m, "weak": w}, method),
         }
+    # τ = 10 steps only for the tau10 rows; every other row trains local_epochs passes
+    if method == "efl-tau10":
+        cfg["train"]["local_steps"] = 10
+    else:
+        cfg["train"].pop("local_steps", None)
     cfg["name"] = f"efl-bench-{exp}-a{alpha}-{key.replace(' ', '')}-{method}-s{seed}"
     return cfg
 

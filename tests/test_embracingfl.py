@@ -238,7 +238,7 @@ def test_weak_client_prefix_gets_no_gradient_and_caches_prefix_features(tmp_path
 
 
 def test_local_steps_and_strong_devices_train_everything(tmp_path: Path) -> None:
-    s = _efl(tmp_path, options={"client_types": "tier", "local_steps": 4})
+    s = _efl(tmp_path, options={"client_types": "tier"}, train={**TRAIN, "local_steps": 4})
     task = s.plan(s.init_state(), 0, [0], {})[0]  # no fleet: tier "default" -> strong
     assert task.config["cut"] == 1 and task.config["chunks"] == []
     update = s.train(task, _device(tmp_path, 0))

@@ -109,8 +109,6 @@ class EmbracingFLOptions(BaseModel):
     moderate_capacity: float = Field(0.40, gt=0, le=1)
     #: paper-rule capacity (§3.2) a weak device may use when its blocks are not given
     weak_capacity: float = Field(0.15, gt=0, le=1)
-    #: τ: local SGD steps per round on the (cached) data; None = ``train.local_epochs`` passes instead
-    local_steps: int | None = Field(10, ge=1)
     #: per_layer = the paper's equations (1/s for the prefix, 1/m for the suffix); whole_model = App.
     #: 6.1's "whole models are averaged" (weak devices' unchanged prefix copies count; spec §9 item 2)
     aggregation: Literal["per_layer", "whole_model"] = "per_layer"
@@ -150,6 +148,8 @@ def multi_step_forward(
 class EmbracingFL(Strategy):
     name = "embracingfl"
     Options = EmbracingFLOptions
+    #: τ, the paper's local steps per round, is ``train.local_steps`` (steps on the cached data)
+    supports_local_steps = True
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
@@ -346,7 +346,7 @@ class EmbracingFL(Strategy):
         suffix = split.chain(model, cut, L).train()
         params = [p for name, p in model.named_parameters() if name in trainable]
         n, b = len(y), train_cfg.batch_size
-        steps = self.opts.local_steps or train_cfg.local_epochs * -(-n // b)
+        steps = train_cfg.local_steps or train_cfg.local_epochs * -(-n // b)
         # sampling without replacement within a pass, reshuffled at each pass boundary
         stats = local_sgd(suffix, cached, y, train_cfg, device.seed, params=params, steps=steps)
 
@@ -480,5 +480,5 @@ class EmbracingFL(Strategy):
     def task_flops(self, task: TaskSpec, num_samples: int) -> int:
         cut, _ = self._task_layout(task)
         b = self.ctx.train.batch_size
-        steps = self.opts.local_steps or self.ctx.train.local_epochs * -(-num_samples // b)
+        steps = self.ctx.train.local_steps or self.ctx.train.local_epochs * -(-num_samples // b)
         return self._round_flops(cut, num_samples, steps)
