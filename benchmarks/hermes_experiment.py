@@ -217,7 +217,9 @@ def _latency(run_dir: Path, seed: int) -> dict[str, float]:
     exp = Experiment.build(cfg)
     strategy = exp.strategy
     assert isinstance(strategy, Hermes)
-    small = strategy.export_compact(run_dir / "device-state" / "device-0").eval()
+    compact = strategy.export_compact(run_dir / "device-state" / "device-0")
+    assert compact is not None, f"{run_dir}: device 0 never trained"
+    small = compact.eval()
     dense = exp.model().eval()
     shape = exp.dataset.input_shape
 

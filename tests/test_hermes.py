@@ -381,8 +381,9 @@ def test_upload_bytes_per_device_fall_with_the_mask_and_never_rise(tmp_path: Pat
     logs = read_device_logs(run / "device-state")[0]
     assert [int(r["round"]) for r in logs] == list(range(1, 10))
     assert all(0 <= r["eval_accuracy_download"] <= 1 and 0 <= r["eval_accuracy_local"] <= 1 for r in logs)
-    compact = exp.strategy.export_compact(run / "device-state" / "device-0")  # type: ignore[attr-defined]
-    assert num_parameters(compact) == round(density[-1] * num_parameters(exp.model()))
+    assert isinstance(exp.strategy, Hermes)
+    compact = exp.strategy.export_compact(run / "device-state" / "device-0")
+    assert compact is not None and num_parameters(compact) == round(density[-1] * num_parameters(exp.model()))
 
 
 # -- the Standalone baseline --------------------------------------------------------------------------------

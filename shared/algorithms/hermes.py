@@ -45,6 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from shared import codec
+from shared.algorithms import device_state
 from shared.algorithms.base import (
     DeviceContext,
     DeviceData,
@@ -59,7 +60,6 @@ from shared.algorithms.base import (
     load_arrays,
     model_arrays,
 )
-from shared.algorithms.device_state import atomic_savez
 from shared.algorithms.training import evaluate, local_sgd
 from shared.data.partitioning import split_local
 from shared.models.hermes_layers import Keep, UnitStructure, group_lasso, structured_prune
@@ -67,7 +67,8 @@ from shared.models.hermes_layers import Keep, UnitStructure, group_lasso, struct
 #: the update tensor naming the device whose mask the upload carries (see ``reduce``)
 #: per-device JSON-lines log of every task's metrics (the rounds table keeps only accuracy/loss)
 DEVICE_LOG = "device_log.jsonl"
-STATE_FILE = "hermes_state.npz"
+#: device state files ``hermes-<round>.npz`` (``shared.algorithms.device_state``)
+STATE_PREFIX = "hermes"
 
 
 # -- device-side logs ----------------------------------------------------------------------------------
@@ -350,8 +351,9 @@ class Hermes(Strategy):
             ev_down = evaluate(model, data.x_test, data.y_test)
             out.update(eval_accuracy_download=ev_down["accuracy"], eval_loss_download=ev_down["loss"])
             out["density"] = self.structure.density(keep)
-        if (device.state_dir / STATE_FILE).exists():
-            ev_local = evaluate(self.export_compact(device.state_dir), data.x_test, data.y_test)
+        local = self.export_compact(device.state_dir)
+        if local is not None:
+            ev_local = evaluate(local, data.x_test, data.y_test)
             out.update(eval_accuracy_local=ev_local["accuracy"], eval_loss_local=ev_local["loss"])
         primary = ev_local if (self.opts.primary_eval == "local" and ev_local is not None) else ev_down
         if primary is None:
@@ -363,16 +365,20 @@ class Hermes(Strategy):
 
     def _save_device_state(self, device: DeviceContext, keep: Keep, trained: dict[str, np.ndarray]) -> None:
         """What a real device keeps: its mask and its last locally trained subnetwork (for deployment)."""
-        arrays: dict[str, np.ndarray] = {"round": np.array([device.round], dtype=np.int64)}
-        arrays.update({f"keep/{k}": v.astype(np.uint8) for k, v in keep.items()})
+        arrays: dict[str, np.ndarray] = {f"keep/{k}": v.astype(np.uint8) for k, v in keep.items()}
         arrays.update({f"w/{k}": v for k, v in trained.items()})
-        atomic_savez(device.state_dir / STATE_FILE, arrays)
+        device_state.save(device.state_dir, STATE_PREFIX, device.round, arrays)
 
-    def export_compact(self, state_dir: Path) -> nn.Sequential:
-        """The device's deployable model: its last locally trained subnetwork, pruned units removed."""
-        with np.load(state_dir / STATE_FILE, allow_pickle=False) as z:
-            keep = {k.removeprefix("keep/"): z[k].astype(np.bool_) for k in z.files if k.startswith("keep/")}
-            weights = {k.removeprefix("w/"): z[k] for k in z.files if k.startswith("w/")}
+    def export_compact(self, state_dir: Path) -> nn.Sequential | None:
+        """The device's deployable model: its last locally trained subnetwork, pruned units removed
+        (None if the device never trained)."""
+        saved = device_state.load_latest(state_dir, STATE_PREFIX)
+        if saved is None:
+            return None
+        keep = {
+            k.removeprefix("keep/"): v.astype(np.bool_) for k, v in saved.items() if k.startswith("keep/")
+        }
+        weights = {k.removeprefix("w/"): v for k, v in saved.items() if k.startswith("w/")}
         model = self.ctx.model_factory()
         load_arrays(model, weights)
         assert isinstance(model, nn.Sequential)

@@ -38,7 +38,6 @@ then sends no Δtau either.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -49,6 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from shared import codec
+from shared.algorithms import device_state
 from shared.algorithms.base import (
     DeviceContext,
     Fleet,
@@ -67,8 +67,8 @@ from shared.models.spafl_layers import MaskedConv2d, MaskedLayer, convert, maske
 
 TAU = "tau/"
 DTAU = "dtau/"
-STATE_FILE = "spafl.npz"
-PREV_STATE_FILE = "spafl.prev.npz"
+#: device state files ``spafl-<round>.npz`` (``shared.algorithms.device_state``)
+STATE_PREFIX = "spafl"
 
 
 class SpaFLOptions(BaseModel):
@@ -310,43 +310,10 @@ class SpaFL(Strategy):
             out[li.name] = np.array(t.array, dtype=np.float32)  # writable copy
         return out
 
-    def _load_state(self, state_dir: Path, round: int) -> dict[str, np.ndarray] | None:
-        """The newest saved device state from *before* ``round``.
-
-        Two generations are kept so that a redelivered task (the client died after saving but before
-        its update was confirmed) trains again from the same starting point instead of training twice.
-        If both are from ``round`` or later (a server that resumed from an older checkpoint), the older
-        one is used: a device never silently falls back to w(0) once it has trained.
-        """
-        found = None
-        for fname in (STATE_FILE, PREV_STATE_FILE):
-            path = state_dir / fname
-            if not path.exists():
-                continue
-            with np.load(path, allow_pickle=False) as z:
-                found = {k: z[k] for k in z.files}
-            if int(found["round"]) < round:
-                return found
-        return found
-
-    def _save_state(self, state_dir: Path, arrays: dict[str, np.ndarray]) -> None:
-        """Write the new state atomically; the previous generation becomes ``spafl.prev.npz``."""
-        state_dir.mkdir(parents=True, exist_ok=True)
-        tmp = state_dir / "spafl.tmp.npz"
-        with tmp.open("wb") as f:
-            np.savez(f, **arrays)  # type: ignore[arg-type]
-        current = state_dir / STATE_FILE
-        if current.exists():
-            with np.load(current, allow_pickle=False) as z:
-                older = int(z["round"]) < int(arrays["round"])
-            if older:
-                os.replace(current, state_dir / PREV_STATE_FILE)
-        os.replace(tmp, current)
-
     def personal_model(self, state_dir: Path) -> nn.Module:
         """A device's current personalised model (weights and own τ_k); w(0), τ = 0 if it never trained."""
         model = self.build_model()
-        saved = self._load_state(state_dir, round=2**62)
+        saved = device_state.load_latest(state_dir, STATE_PREFIX)
         if saved is not None:
             load_arrays(
                 model, {k.removeprefix("model/"): v for k, v in saved.items() if k.startswith("model/")}
@@ -370,7 +337,7 @@ class SpaFL(Strategy):
         opts = self.opts
         model = self.build_model()
         layers = masked_layers(model)
-        saved = self._load_state(device.state_dir, device.round)
+        saved = device_state.load_before(device.state_dir, STATE_PREFIX, device.round)
         last_seen = {li.name: np.zeros(li.n_out, dtype=np.float32) for li in self.layers}
         if saved is not None:
             load_arrays(
@@ -445,8 +412,7 @@ class SpaFL(Strategy):
 
         arrays = {f"model/{k}": v for k, v in model_arrays(model).items()}
         arrays.update({f"last_tau/{k}": np.asarray(v, dtype=np.float32) for k, v in last_seen.items()})
-        arrays["round"] = np.asarray(device.round, dtype=np.int64)
-        self._save_state(device.state_dir, arrays)
+        device_state.save(device.state_dir, STATE_PREFIX, device.round, arrays)
 
         tensors: dict[str, codec.Tensor] = {}
         if opts.mode == "spafl":
