@@ -13,7 +13,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.aggregator.service import Aggregator
 from services.cli import main
 from services.orchestrator import InprocCluster, run_inproc
 from shared.algorithms.base import UpdateSpec
@@ -96,11 +95,6 @@ def _cluster(cfg_path: Path, run: Path, exp_id: str) -> InprocCluster:
     return InprocCluster(exp, run, exp_id, aggregators=2, clients=1, state_dir=run / "state")
 
 
-def _held(agg: Aggregator) -> int:
-    """Updates an aggregator holds whose partial the server has not accepted yet."""
-    return len(agg.batch.deliveries) + sum(len(b.deliveries) for b in agg.pending.values())
-
-
 def test_aggregator_crash_counts_every_update_once(tmp_path: Path) -> None:
     cfg = write_config(tmp_path / "c.yaml", rounds=3)
     (tmp_path / "a").mkdir()
@@ -116,8 +110,8 @@ def test_aggregator_crash_counts_every_update_once(tmp_path: Path) -> None:
 
     def crash_when_holding() -> None:
         # Crash agg-0 the first time it holds updates whose partial the server has not accepted.
-        if not crashed and faulty.round == 2 and _held(agg0) >= 1:
-            crashed.append(_held(agg0))
+        if not crashed and faulty.round == 2 and agg0.held_updates() >= 1:
+            crashed.append(agg0.held_updates())
             cluster.crash(agg0)
 
     cluster.run(on_step=crash_when_holding, max_steps=200_000)
@@ -194,7 +188,7 @@ def test_aggregator_started_after_the_round_opened_joins_it(tmp_path: Path, monk
         if not events and faulty.round == 1 and faulty.phase == "open":
             cluster.add_aggregator("agg-late")
             events.append("late")
-        if events == ["late"] and _held(holder) >= 1:
+        if events == ["late"] and holder.held_updates() >= 1:
             cluster.crash(holder)
             events.append("crash")
 

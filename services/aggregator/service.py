@@ -144,54 +144,61 @@ class Aggregator(ServiceBase):
             time.sleep(REQUEUE_PAUSE_S)
             d.nack(requeue=True)
             return
-        if env.inc != self.inc or env.round != self.round:
-            self.reject(d, "unknown-round", f"round {env.round}/{env.inc} is not the open round {self.round}")
-            return
-        if msg.device_id not in self.selected:
-            self.reject(d, "unknown-device", f"device {msg.device_id} was not selected for round {env.round}")
-            return
-        if not token_ok(self.round_key, msg.device_id, msg.token):
-            self.reject(
-                d, "forged", f"update for device {msg.device_id} does not carry that device's task token"
-            )
-            return
-        if not d.redelivered and msg.device_id in self.seen:
-            self.reject(d, "duplicate", f"second update from device {msg.device_id} in round {env.round}")
+        if not self._admissible(env, msg, d):
             return
         update = UpdateSpec(
             decode_tensors(msg.tensors), msg.num_samples, dict(msg.metrics), msg.device_id, env.round
         )
         self.strategy.validate_update(update)
         if d.redelivered:
+            # Possibly already merged via a partial of a crashed aggregator: send it alone so the
+            # server can tell.
             metrics.UPDATES.labels(self.experiment, self.algorithm, self.service, "redelivered").inc()
             self.log.info(
                 "redelivered update from device %d sent as a singleton partial",
                 msg.device_id,
                 extra={"event": "redelivered", "device": msg.device_id},
             )
-            # Possibly already merged via a partial of a crashed aggregator: send it alone so the
-            # server can tell.
             batch = _Batch(singleton=True)
-            batch.partial = self.strategy.reduce(batch.partial, update)
-            batch.devices.append(msg.device_id)
-            batch.deliveries.append(d)
+            self._reduce_into(batch, update, d)
             self._receipt(env, msg, d, update)
             self._send(batch)
         else:
-            self.batch.partial = self.strategy.reduce(self.batch.partial, update)
-            self.batch.devices.append(msg.device_id)
-            self.batch.deliveries.append(d)
+            self._reduce_into(self.batch, update, d)
             self.seen.add(msg.device_id)
             self._receipt(env, msg, d, update)
-            if (
-                len(self.batch.deliveries) + sum(len(b.deliveries) for b in self.pending.values())
-                >= self.prefetch - 1
-            ):
+            if self.held_updates() >= self.prefetch - 1:
                 self._send_batch()
         metrics.UPDATES.labels(self.experiment, self.algorithm, self.service, "reduced").inc()
         metrics.AGGREGATION_SECONDS.labels(self.experiment, self.algorithm).observe(
             time.perf_counter() - started
         )
+
+    def _admissible(self, env: Envelope, msg: Update, d: Delivery) -> bool:
+        """May this update count in the open round? Dead-letters it with the reason if not."""
+        if env.inc != self.inc or env.round != self.round:
+            self.reject(d, "unknown-round", f"round {env.round}/{env.inc} is not the open round {self.round}")
+        elif msg.device_id not in self.selected:
+            self.reject(d, "unknown-device", f"device {msg.device_id} was not selected for round {env.round}")
+        elif not token_ok(self.round_key, msg.device_id, msg.token):
+            self.reject(
+                d, "forged", f"update for device {msg.device_id} does not carry that device's task token"
+            )
+        elif not d.redelivered and msg.device_id in self.seen:
+            self.reject(d, "duplicate", f"second update from device {msg.device_id} in round {env.round}")
+        else:
+            return True
+        return False
+
+    def _reduce_into(self, batch: _Batch, update: UpdateSpec, d: Delivery) -> None:
+        assert update.device_id is not None
+        batch.partial = self.strategy.reduce(batch.partial, update)
+        batch.devices.append(update.device_id)
+        batch.deliveries.append(d)
+
+    def held_updates(self) -> int:
+        """Updates whose acks wait for a decision (bounded by the prefetch)."""
+        return len(self.batch.deliveries) + sum(len(b.deliveries) for b in self.pending.values())
 
     def _receipt(self, env: Envelope, msg: Update, d: Delivery, update: UpdateSpec) -> None:
         self.send(

@@ -92,19 +92,8 @@ class Client(ServiceBase):
         #: first-finishers protocol: when on, devices report ``ready`` and upload only on ``go``
         self.ready_protocol = cfg.emulation.over_selection > 1 or cfg.emulation.round_deadline_s is not None
         self.held: dict[tuple[str, int, int], _Held] = {}
-        for device in exp.fleet:
-            if device.device_id in device_ids:
-                metrics.MEMORY_BUDGET_BYTES.labels(experiment_id, device.tier).set(
-                    device.profile.memory_bytes
-                )
-                # create the histogram series up front (see Server.__init__ for why)
-                labels = (experiment_id, cfg.algorithm.name, device.tier)
-                metrics.CLIENT_TRAIN_SECONDS.labels(*labels)
-                clocks = ("virtual", "real") if cfg.emulation.time_mode == "real" else ("virtual",)
-                for clock in clocks:
-                    metrics.CLIENT_COMPUTE_SECONDS.labels(*labels, clock)
-                    for direction in ("down", "up"):
-                        metrics.CLIENT_TRANSFER_SECONDS.labels(*labels, direction, clock)
+        for dev in self.device_ids:
+            self._create_series(self.fleet[dev])
         self.data = {d: exp.device_data(d) for d in self.device_ids}
         self.last_register = 0.0
         names = transport.names
@@ -121,6 +110,18 @@ class Client(ServiceBase):
         self.log.info(
             "client %s hosts %d devices", client_id, len(self.device_ids), extra={"event": "client_ready"}
         )
+
+    def _create_series(self, device: Device) -> None:
+        """The device's budget gauge, and its tier's histogram series before their first observation
+        (a short run could otherwise end between two scrapes with nothing for rate() to work on)."""
+        metrics.MEMORY_BUDGET_BYTES.labels(self.experiment, device.tier).set(device.profile.memory_bytes)
+        labels = (self.experiment, self.algorithm, device.tier)
+        metrics.CLIENT_TRAIN_SECONDS.labels(*labels)
+        clocks = ("virtual", "real") if self.emulation.time_mode == "real" else ("virtual",)
+        for clock in clocks:
+            metrics.CLIENT_COMPUTE_SECONDS.labels(*labels, clock)
+            for direction in ("down", "up"):
+                metrics.CLIENT_TRANSFER_SECONDS.labels(*labels, direction, clock)
 
     def register(self) -> None:
         """Announce the hosted devices; repeated every few seconds so a (re)started server learns them.

@@ -95,20 +95,7 @@ class RunLedger:
     def record_round(self, rs: RoundState, result: RoundOutcome) -> dict[str, Any]:
         """Account a finalized round: device statistics, byte totals, Prometheus, and its row."""
         up, dense_up = self._uplink(rs)
-        for dev in result.participants:
-            st = self.stats(dev)
-            st.completed += 1
-            receipt = rs.receipts.get(dev)
-            if receipt is not None:
-                st.virtual_seconds += receipt.timings.total()
-            metrics.PARTICIPANTS.labels(*self.labels, st.tier).inc()
-        for dev in rs.rejects:
-            self.stats(dev).rejected += 1
-        dropped = rs.dropped()
-        for dev in dropped:
-            st = self.stats(dev)
-            st.dropped += 1
-            metrics.DROPOUTS.labels(*self.labels, st.tier, rs.drop_reason(dev)).inc()
+        dropped = self._device_outcomes(rs, result.participants)
         metrics.ROUND_VIRTUAL_DURATION.labels(*self.labels).observe(result.virtual_seconds)
         metrics.DENSITY.labels(*self.labels).set(result.density)
         self.totals["bytes_up"] += up
@@ -150,6 +137,24 @@ class RunLedger:
         metrics.ROUNDS_COMPLETED.labels(*self.labels, result.outcome).inc()
         metrics.ROUND_OPEN.labels(*self.labels).set(0)
         return row
+
+    def _device_outcomes(self, rs: RoundState, participants: list[int]) -> list[int]:
+        """Count each selected device's outcome (completed, refused, dropped); returns the dropped."""
+        for dev in participants:
+            st = self.stats(dev)
+            st.completed += 1
+            receipt = rs.receipts.get(dev)
+            if receipt is not None:
+                st.virtual_seconds += receipt.timings.total()
+            metrics.PARTICIPANTS.labels(*self.labels, st.tier).inc()
+        for dev in rs.rejects:
+            self.stats(dev).rejected += 1
+        dropped = rs.dropped()
+        for dev in dropped:
+            st = self.stats(dev)
+            st.dropped += 1
+            metrics.DROPOUTS.labels(*self.labels, st.tier, rs.drop_reason(dev)).inc()
+        return dropped
 
     def _uplink(self, rs: RoundState) -> tuple[int, int]:
         """Every update that reached an aggregator this round, aggregated or not (a round below

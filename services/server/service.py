@@ -126,7 +126,17 @@ class Server(ServiceBase):
 
         transport.declare_queue(transport.names.server_queue, [KEY_SERVER])
         transport.declare_queue(transport.names.updates_queue, [KEY_UPDATE])
-        handlers: dict[Kind, MessageHandler] = {
+        handlers = self._handlers()
+        transport.consume(transport.names.server_queue, lambda d: self.dispatch(d, handlers), prefetch=64)
+        self._create_series()
+        self.log.info(
+            "server ready",
+            extra={"event": "server_ready", "f_incarnation": self.incarnation, "f_resumed_round": self.round},
+        )
+
+    def _handlers(self) -> dict[Kind, MessageHandler]:
+        """What the server acts on, by message kind (anything else is dead-lettered)."""
+        return {
             Kind.REGISTER: self.on_register,
             Kind.HEARTBEAT: self.on_heartbeat,
             Kind.RECEIPT: self.on_receipt,
@@ -135,12 +145,6 @@ class Server(ServiceBase):
             Kind.READY: self.on_ready,
             Kind.EVAL_RESULT: self.on_eval_result,
         }
-        transport.consume(transport.names.server_queue, lambda d: self.dispatch(d, handlers), prefetch=64)
-        self._create_series()
-        self.log.info(
-            "server ready",
-            extra={"event": "server_ready", "f_incarnation": self.incarnation, "f_resumed_round": self.round},
-        )
 
     def _create_series(self) -> None:
         """Create the labelled series now: a histogram appears only at its first observation, and a
@@ -404,12 +408,23 @@ class Server(ServiceBase):
         metrics.ROUND_OPEN.labels(*labels).set(1)
         metrics.ROUND_STARTED.labels(*labels).set(started)
         metrics.ROUND_DEADLINE.labels(*labels).set(deadline)
-        tasks = self.strategy.plan(self.state, number, selected, self.registry)
-        batch = self._encode_tasks(Kind.TASK, tasks, selected, key)
         self.ledger.selected(rs)
+        self._send_tasks(rs)
+        self.log.info(
+            "round %d opened with %d devices",
+            number,
+            len(selected),
+            extra={"event": "round_open", "round": number},
+        )
+
+    def _send_tasks(self, rs: RoundState) -> None:
+        """Plan and publish every selected device's task; a task nobody can receive makes its device
+        unreachable for the round."""
+        tasks = self.strategy.plan(self.state, rs.number, rs.selected, self.registry)
+        batch = self._encode_tasks(Kind.TASK, tasks, rs.selected, rs.key)
         # one broker round trip for the whole fan-out, not one confirm per device
         unroutable = self.publish_batch(Kind.TASK, batch)
-        for dev, (routing_key, data, dense) in zip(selected, batch, strict=True):
+        for dev, (routing_key, data, dense) in zip(rs.selected, batch, strict=True):
             if routing_key in unroutable:
                 rs.unreachable.add(dev)
                 self.log.warning("no client hosts device %d any more", dev, extra={"event": "unreachable"})
@@ -418,12 +433,6 @@ class Server(ServiceBase):
             rs.down_bytes += len(data)
             rs.dense_down += dense
             self.ledger.task_sent(dev, len(data))
-        self.log.info(
-            "round %d opened with %d devices",
-            number,
-            len(selected),
-            extra={"event": "round_open", "round": number},
-        )
 
     def _encode_tasks(
         self, kind: Kind, tasks: dict[int, TaskSpec], devices: list[int], key: str

@@ -64,6 +64,7 @@ from shared.algorithms.base import (
 from shared.algorithms.training import evaluate, local_sgd
 from shared.devices.flops import layer_flops
 from shared.models.spafl_layers import MaskedConv2d, MaskedLayer, convert, masked_layers
+from shared.schemas import MetricKey
 
 TAU = "tau/"
 DTAU = "dtau/"
@@ -334,9 +335,54 @@ class SpaFL(Strategy):
         }
 
     def train(self, task: TaskSpec, device: DeviceContext) -> UpdateSpec:
-        opts = self.opts
+        """One round on a device (§3.5): start from the personal model with the global τ, train
+        weights and τ_k locally, keep the model, send τ_k."""
         model = self.build_model()
         layers = masked_layers(model)
+        last_seen, importance_applied = self._start(task, device, model, layers)
+        stats = self._local_training(model, list(layers.values()), device)
+        data = device.data
+        density, layer_avg, per_layer = densities(model)
+        ev = evaluate(model, data.x_test, data.y_test)
+        n = len(data.y_train)
+        per_sample = self.sparse_sample_flops(per_layer)
+        if len(self._trained_flops) > 64:  # callers that never ask (direct loops) must not grow it
+            self._trained_flops.clear()
+        self._trained_flops[id(task)] = per_sample  # for task_flops(), which the client asks next
+
+        arrays = {f"model/{k}": v for k, v in model_arrays(model).items()}
+        arrays.update({f"last_tau/{k}": np.asarray(v, dtype=np.float32) for k, v in last_seen.items()})
+        device_state.save(device.state_dir, STATE_PREFIX, device.round, arrays)
+
+        tensors: dict[str, codec.Tensor] = {}
+        if self.opts.mode == "spafl":
+            tensors = {
+                TAU + li.name: codec.Threshold(layers[li.name].tau.detach().numpy().astype(np.float32))
+                for li in self.layers
+            }
+        reported = {
+            MetricKey.TRAIN_LOSS: stats["train_loss"],
+            MetricKey.EVAL_ACCURACY: ev["accuracy"],
+            MetricKey.EVAL_LOSS: ev["loss"],
+            MetricKey.EVAL_SAMPLES: float(len(data.y_test)),
+            MetricKey.DENSITY: density,
+            "density_layer_avg": layer_avg,
+            # framework convention (shared.devices.flops); the client service overwrites it with
+            # task_flops(), which is the same number
+            MetricKey.TRAIN_FLOPS: float(round(per_sample * n * self.ctx.train.local_epochs)),
+            # the paper's §4.3 count (MACs, backward = 2x forward, + 1.5·d for eq. 13)
+            "train_flops_paper": self.paper_train_flops(per_layer, n, importance_applied),
+        }
+        return UpdateSpec(tensors, num_samples=n, metrics=reported)
+
+    def _start(
+        self, task: TaskSpec, device: DeviceContext, model: nn.Module, layers: dict[str, MaskedLayer]
+    ) -> tuple[dict[str, np.ndarray], bool]:
+        """Load the device's personal model, apply eq. 13's importance update and set τ_k = τ(t).
+
+        Returns the global τ the device has now seen (kept for the next Δτ) and whether the
+        importance update ran.
+        """
         saved = device_state.load_before(device.state_dir, STATE_PREFIX, device.round)
         last_seen = {li.name: np.zeros(li.n_out, dtype=np.float32) for li in self.layers}
         if saved is not None:
@@ -344,42 +390,47 @@ class SpaFL(Strategy):
                 model, {k.removeprefix("model/"): v for k, v in saved.items() if k.startswith("model/")}
             )
             last_seen = {li.name: saved[f"last_tau/{li.name}"] for li in self.layers}
-
-        importance_applied = False
-        if opts.mode == "spafl":
-            glob = self._received(task, TAU)
-            if glob is None:
-                raise codec.CodecError("tensor", "a SpaFL task must carry the global thresholds tau/*")
-            if opts.importance_update:
-                delta = (
-                    self._received(task, DTAU)
-                    if opts.delta_source == "server"
-                    else {k: glob[k] - last_seen[k] for k in glob}
-                )
-                if delta is not None:
-                    for li in self.layers:
-                        apply_importance_update(layers[li.name], torch.from_numpy(delta[li.name]), li.n_div)
-                    importance_applied = True
-            with torch.no_grad():
+        if self.opts.mode != "spafl":
+            if task.tensors:
+                raise codec.CodecError("tensor", "a local-only SpaFL task carries no tensors")
+            return last_seen, False
+        glob = self._received(task, TAU)
+        if glob is None:
+            raise codec.CodecError("tensor", "a SpaFL task must carry the global thresholds tau/*")
+        applied = False
+        if self.opts.importance_update:
+            delta = (
+                self._received(task, DTAU)
+                if self.opts.delta_source == "server"
+                else {k: glob[k] - last_seen[k] for k in glob}
+            )
+            if delta is not None:
                 for li in self.layers:
-                    layers[li.name].tau.copy_(torch.from_numpy(glob[li.name]))  # τ_k^0(t) = τ(t)
-            last_seen = glob
-        elif task.tensors:
-            raise codec.CodecError("tensor", "a local-only SpaFL task carries no tensors")
+                    apply_importance_update(layers[li.name], torch.from_numpy(delta[li.name]), li.n_div)
+                applied = True
+        with torch.no_grad():
+            for li in self.layers:
+                layers[li.name].tau.copy_(torch.from_numpy(glob[li.name]))  # τ_k^0(t) = τ(t)
+        return glob, applied
 
+    def _local_training(
+        self, model: nn.Module, layers: list[MaskedLayer], device: DeviceContext
+    ) -> dict[str, float]:
+        """SGD on weights and τ_k with the α Σ exp(−τ) penalty, the optional clamp and the collapse
+        guard (paper A.1)."""
+        opts = self.opts
         alpha = opts.alpha
-        layer_list = list(layers.values())
 
         def penalty(_: nn.Module) -> torch.Tensor:
-            return alpha * sum((torch.exp(-m.tau).sum() for m in layer_list), torch.zeros(()))
+            return alpha * sum((torch.exp(-m.tau).sum() for m in layers), torch.zeros(()))
 
         def after_step(_: nn.Module) -> None:
             with torch.no_grad():
-                for m in layer_list:
+                for m in layers:
                     if opts.clamp:
                         m.weight.clamp_(-1.0, 1.0)
                         m.tau.clamp_(0.0, 1.0)
-                    # collapse guard (paper A.1): judged on the mask of the forward pass just taken
+                    # collapse guard: judged on the mask of the forward pass just taken
                     if opts.reset_density is not None and float(m.last_mask.mean()) <= opts.reset_density:
                         m.tau.zero_()
 
@@ -398,45 +449,10 @@ class SpaFL(Strategy):
             # step can still leave a layer dead; the same rule once more on the final mask keeps a
             # collapsed layer out of the uploaded τ_k and the personalised model.
             with torch.no_grad():
-                for m in layer_list:
+                for m in layers:
                     if float(m.current_mask().mean()) <= opts.reset_density:
                         m.tau.zero_()
-        density, layer_avg, per_layer = densities(model)
-        ev = evaluate(model, data.x_test, data.y_test)
-        n = len(data.y_train)
-        per_sample = self.sparse_sample_flops(per_layer)
-        if len(self._trained_flops) > 64:  # callers that never ask (direct loops) must not grow it
-            self._trained_flops.clear()
-        self._trained_flops[id(task)] = per_sample  # for task_flops(), which the client asks next
-        sparse_flops = round(per_sample * n * self.ctx.train.local_epochs)
-
-        arrays = {f"model/{k}": v for k, v in model_arrays(model).items()}
-        arrays.update({f"last_tau/{k}": np.asarray(v, dtype=np.float32) for k, v in last_seen.items()})
-        device_state.save(device.state_dir, STATE_PREFIX, device.round, arrays)
-
-        tensors: dict[str, codec.Tensor] = {}
-        if opts.mode == "spafl":
-            tensors = {
-                TAU + li.name: codec.Threshold(layers[li.name].tau.detach().numpy().astype(np.float32))
-                for li in self.layers
-            }
-        return UpdateSpec(
-            tensors,
-            num_samples=n,
-            metrics={
-                "train_loss": stats["train_loss"],
-                "eval_accuracy": ev["accuracy"],
-                "eval_loss": ev["loss"],
-                "eval_samples": float(len(data.y_test)),
-                "density": density,
-                "density_layer_avg": layer_avg,
-                # framework convention (shared.devices.flops); the client service overwrites it
-                # with task_flops(), which is the same number
-                "train_flops": float(sparse_flops),
-                # the paper's §4.3 count (MACs, backward = 2x forward, + 1.5·d for eq. 13)
-                "train_flops_paper": self.paper_train_flops(per_layer, n, importance_applied),
-            },
-        )
+        return stats
 
     # -- aggregation half --------------------------------------------------------------------------
     def validate_update(self, update: UpdateSpec) -> None:
