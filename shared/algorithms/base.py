@@ -33,8 +33,10 @@ from shared import codec
 from shared.algorithms.training import samples_per_task
 from shared.config import TrainConfig
 from shared.devices import TrainingFootprint, training_flops, training_footprint
+from shared.models.state import load_arrays as load_arrays  # re-exported: strategies import it from here
+from shared.models.state import model_arrays as model_arrays
 from shared.schemas import DeviceInfo
-from shared.seeding import derive_seed as derive_seed  # re-exported: strategies import it from here
+from shared.seeding import derive_seed as derive_seed
 
 #: The registered devices the server plans for: device id → what the device registered (tier, sample
 #: count, profile with ``memory_bytes`` etc.). Passed to ``plan`` on every call rather than held by the
@@ -286,22 +288,3 @@ class Strategy(ABC):
         batch is short. Masked algorithms override this to count only kept weights.
         """
         return self._accounting(task)[1] * samples_per_task(self.ctx.train, num_samples)
-
-
-def model_arrays(model: torch.nn.Module) -> dict[str, np.ndarray]:
-    """A model's state (parameters and buffers) as float32 numpy arrays, in a stable order."""
-    out = {}
-    for name, t in model.state_dict().items():
-        arr = t.detach().cpu().numpy()
-        out[name] = arr.astype(np.float32) if arr.dtype.kind == "f" else arr.copy()
-    return out
-
-
-def load_arrays(model: torch.nn.Module, arrays: Mapping[str, np.ndarray]) -> None:
-    sd = model.state_dict()
-    missing = set(sd) - set(arrays)
-    if missing:
-        raise KeyError(f"missing tensors for {sorted(missing)[:5]}")
-    model.load_state_dict(
-        {k: torch.from_numpy(np.array(arrays[k], dtype=sd[k].numpy().dtype, copy=True)) for k in sd}
-    )

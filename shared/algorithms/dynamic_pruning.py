@@ -55,8 +55,6 @@ from shared.algorithms.base import (
     TaskSpec,
     UpdateSpec,
     derive_seed,
-    load_arrays,
-    model_arrays,
 )
 from shared.algorithms.training import evaluate, local_sgd
 from shared.devices import TrainingFootprint, measure_activation_bytes
@@ -74,6 +72,7 @@ from shared.models.dynamic_sparse import (
     topk_pruned,
     xi_count,
 )
+from shared.models.state import load_arrays, model_arrays
 
 MASK = "mask/"
 GRAD = "grad/"

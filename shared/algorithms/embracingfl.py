@@ -70,12 +70,11 @@ from shared.algorithms.base import (
     TaskSpec,
     UpdateSpec,
     derive_seed,
-    load_arrays,
-    model_arrays,
 )
 from shared.algorithms.training import evaluate, local_sgd
 from shared.devices import TrainingFootprint, embracingfl_capacity, layer_flops, training_footprint
 from shared.models.partial_training import LayerSplit
+from shared.models.state import load_arrays, model_arrays
 
 ClientType = Literal["strong", "moderate", "weak"]
 Chunks = list[tuple[int, int]]

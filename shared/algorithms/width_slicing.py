@@ -28,10 +28,9 @@ from shared.algorithms.base import (
     TaskSpec,
     UpdateSpec,
     derive_seed,
-    load_arrays,
-    model_arrays,
 )
 from shared.algorithms.training import evaluate, local_sgd
+from shared.models.state import load_arrays, model_arrays
 from shared.models.width_slice import (
     Counts,
     Selection,

@@ -19,11 +19,16 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 #: Label sets reused below. ``direction`` is ``down`` (server→device), ``up`` (device→aggregator),
 #: ``partial`` (aggregator→server) or ``control`` (small coordination messages).
 TRAFFIC_LABELS = ("experiment", "algorithm", "service", "direction", "kind")
+#: one series per experiment run
+RUN_LABELS = ("experiment", "algorithm")
+#: per device tier (a fleet's tiers are few; device ids never become labels)
+TIER_LABELS = ("experiment", "algorithm", "tier")
 
 _ROUND_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 _FAST_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 _BYTES_BUCKETS = tuple(float(2**k) for k in range(8, 34, 2))
 
+# -- traffic -------------------------------------------------------------------------------------------
 WIRE_BYTES = Counter(
     "fedfleet_wire_bytes_total",
     "Message body bytes actually published to the broker (what crossed the wire).",
@@ -54,32 +59,33 @@ UPDATES = Counter(
     "Client updates handled by aggregators and the server, by result (accepted, duplicate, ...).",
     ("experiment", "algorithm", "service", "result"),
 )
-ROUND = Gauge("fedfleet_round", "Current (last opened) round number.", ("experiment", "algorithm"))
+# -- rounds --------------------------------------------------------------------------------------------
+ROUND = Gauge("fedfleet_round", "Current (last opened) round number.", RUN_LABELS)
 ROUND_STARTED = Gauge(
     "fedfleet_round_started_timestamp_seconds",
     "Unix time the current round was opened.",
-    ("experiment", "algorithm"),
+    RUN_LABELS,
 )
 ROUND_DEADLINE = Gauge(
     "fedfleet_round_deadline_timestamp_seconds",
     "Unix time by which the current round must close (deadline in wall time).",
-    ("experiment", "algorithm"),
+    RUN_LABELS,
 )
 ROUND_OPEN = Gauge(
     "fedfleet_round_open",
     "1 while a round is open (waiting for updates), 0 between rounds.",
-    ("experiment", "algorithm"),
+    RUN_LABELS,
 )
 ROUND_DURATION = Histogram(
     "fedfleet_round_duration_seconds",
     "Wall time from opening a round to finalizing it.",
-    ("experiment", "algorithm"),
+    RUN_LABELS,
     buckets=_ROUND_BUCKETS,
 )
 ROUND_VIRTUAL_DURATION = Histogram(
     "fedfleet_round_virtual_duration_seconds",
     "Emulated (virtual clock) duration of a round: slowest accepted device's download+compute+upload.",
-    ("experiment", "algorithm"),
+    RUN_LABELS,
     buckets=_ROUND_BUCKETS,
 )
 ROUNDS_COMPLETED = Counter(
@@ -87,32 +93,33 @@ ROUNDS_COMPLETED = Counter(
     "Rounds finished, by outcome (completed, below-quorum).",
     ("experiment", "algorithm", "outcome"),
 )
-ACCURACY = Gauge("fedfleet_accuracy_ratio", "Latest evaluation accuracy (0..1).", ("experiment", "algorithm"))
-LOSS = Gauge("fedfleet_loss", "Latest evaluation loss.", ("experiment", "algorithm"))
+ACCURACY = Gauge("fedfleet_accuracy_ratio", "Latest evaluation accuracy (0..1).", RUN_LABELS)
+LOSS = Gauge("fedfleet_loss", "Latest evaluation loss.", RUN_LABELS)
 DENSITY = Gauge(
     "fedfleet_model_density_ratio",
     "Fraction of model parameters that are non-zero / kept (1.0 for dense algorithms).",
-    ("experiment", "algorithm"),
+    RUN_LABELS,
 )
+# -- devices -------------------------------------------------------------------------------------------
 PARTICIPANTS = Counter(
     "fedfleet_participants_total",
     "Device updates that were aggregated into a round.",
-    ("experiment", "algorithm", "tier"),
+    TIER_LABELS,
 )
 SELECTED = Counter(
     "fedfleet_selected_total",
     "Devices selected for a round.",
-    ("experiment", "algorithm", "tier"),
+    TIER_LABELS,
 )
 REJECTIONS = Counter(
     "fedfleet_rejections_total",
     "Tasks refused by a device before training, by reason (memory, ...).",
-    ("experiment", "algorithm", "tier", "reason"),
+    (*TIER_LABELS, "reason"),
 )
 DROPOUTS = Counter(
     "fedfleet_dropouts_total",
     "Selected devices that did not deliver an update in time, by reason (offline, dropped, deadline).",
-    ("experiment", "algorithm", "tier", "reason"),
+    (*TIER_LABELS, "reason"),
 )
 REGISTERED_DEVICES = Gauge(
     "fedfleet_registered_devices", "Devices known to the server.", ("experiment", "tier")
@@ -123,10 +130,11 @@ DEVICE_ROUND_BYTES = Histogram(
     ("experiment", "algorithm", "direction", "tier"),
     buckets=_BYTES_BUCKETS,
 )
+# -- clients, aggregators, services ---------------------------------------------------------------------
 CLIENT_TRAIN_SECONDS = Histogram(
     "fedfleet_client_train_seconds",
     "Real (measured) local training time of one task.",
-    ("experiment", "algorithm", "tier"),
+    TIER_LABELS,
     buckets=_FAST_BUCKETS,
 )
 CLIENT_TRANSFER_SECONDS = Histogram(
@@ -147,12 +155,12 @@ MEMORY_BUDGET_BYTES = Gauge(
 MEMORY_FOOTPRINT_BYTES = Gauge(
     "fedfleet_memory_footprint_bytes",
     "Training footprint of the last task admitted or refused on a tier.",
-    ("experiment", "algorithm", "tier"),
+    TIER_LABELS,
 )
 AGGREGATION_SECONDS = Histogram(
     "fedfleet_aggregation_seconds",
     "Time to validate, decode and reduce one update into an aggregator's partial.",
-    ("experiment", "algorithm"),
+    RUN_LABELS,
     buckets=_FAST_BUCKETS,
 )
 HANDLER_ERRORS = Counter(

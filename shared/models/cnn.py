@@ -16,6 +16,43 @@ from torch import nn
 from shared.models.layers import Scaler, check_spatial, conv_out, image_shape
 
 
+def _two_conv_net(
+    name: str,
+    input_shape: tuple[int, ...],
+    num_classes: int,
+    *,
+    channels: tuple[int, int],
+    kernel: int,
+    padding: int = 0,
+    hidden: Sequence[int] = (),
+    bias: bool = True,
+    relu_between_fc: bool = True,
+) -> nn.Sequential:
+    """The LeNet family: 2x [conv, ReLU, 2x2 max-pool], flatten, FC layers (``hidden`` then the
+    classes) with ReLUs between them. Layers are made in forward order, so a seeded build draws the
+    same initial weights as a hand-written ``nn.Sequential`` of the same layers."""
+    c, h, w = image_shape(input_shape, name)
+    for _ in channels:
+        h, w = conv_out(h, kernel, 1, padding) // 2, conv_out(w, kernel, 1, padding) // 2
+    check_spatial(name, input_shape, h, w)
+    layers: OrderedDict[str, nn.Module] = OrderedDict()
+    cin = c
+    for i, cout in enumerate(channels, start=1):
+        layers[f"conv{i}"] = nn.Conv2d(cin, cout, kernel, padding=padding, bias=bias)
+        layers[f"relu{i}"] = nn.ReLU()
+        layers[f"pool{i}"] = nn.MaxPool2d(2)
+        cin = cout
+    layers["flatten"] = nn.Flatten()
+    sizes = [cin * h * w, *hidden, num_classes]
+    relu = len(channels) + 1
+    for j in range(len(sizes) - 1):
+        layers[f"fc{j + 1}"] = nn.Linear(sizes[j], sizes[j + 1], bias=bias)
+        if relu_between_fc and j < len(sizes) - 2:
+            layers[f"relu{relu}"] = nn.ReLU()
+            relu += 1
+    return nn.Sequential(layers)
+
+
 def cnn_digits(
     input_shape: tuple[int, ...], num_classes: int, *, track_running_stats: bool = True
 ) -> nn.Sequential:
@@ -46,24 +83,10 @@ def cnn_femnist(input_shape: tuple[int, ...], num_classes: int, *, hidden: int =
     and 62 classes that is 6,603,710 parameters (EmbracingFL Table 1). ``hidden`` may be smaller
     for CPU-sized runs.
     """
-    c, h, w = image_shape(input_shape, "cnn")
     if hidden < 1:
         raise ValueError(f"cnn hidden must be >= 1, got {hidden}")
-    h, w = h // 2 // 2, w // 2 // 2
-    check_spatial("cnn", input_shape, h, w)
-    return nn.Sequential(
-        OrderedDict(
-            conv1=nn.Conv2d(c, 32, 5, padding=2),
-            relu1=nn.ReLU(),
-            pool1=nn.MaxPool2d(2),
-            conv2=nn.Conv2d(32, 64, 5, padding=2),
-            relu2=nn.ReLU(),
-            pool2=nn.MaxPool2d(2),
-            flatten=nn.Flatten(),
-            fc1=nn.Linear(64 * h * w, hidden),
-            relu3=nn.ReLU(),
-            fc2=nn.Linear(hidden, num_classes),
-        )
+    return _two_conv_net(
+        "cnn", input_shape, num_classes, channels=(32, 64), kernel=5, padding=2, hidden=(hidden,)
     )
 
 
@@ -75,23 +98,8 @@ def lenet5_caffe(
     No padding and no biases by default: on 28x28 that is exactly the paper's 430,500 weights and
     580 thresholds (one per output unit of the four layers).
     """
-    c, h, w = image_shape(input_shape, "lenet5_caffe")
-    for _ in range(2):
-        h, w = conv_out(h, 5) // 2, conv_out(w, 5) // 2
-    check_spatial("lenet5_caffe", input_shape, h, w)
-    return nn.Sequential(
-        OrderedDict(
-            conv1=nn.Conv2d(c, 20, 5, bias=bias),
-            relu1=nn.ReLU(),
-            pool1=nn.MaxPool2d(2),
-            conv2=nn.Conv2d(20, 50, 5, bias=bias),
-            relu2=nn.ReLU(),
-            pool2=nn.MaxPool2d(2),
-            flatten=nn.Flatten(),
-            fc1=nn.Linear(50 * h * w, hidden, bias=bias),
-            relu3=nn.ReLU(),
-            fc2=nn.Linear(hidden, num_classes, bias=bias),
-        )
+    return _two_conv_net(
+        "lenet5_caffe", input_shape, num_classes, channels=(20, 50), kernel=5, hidden=(hidden,), bias=bias
     )
 
 
@@ -129,25 +137,8 @@ def cnn7(
 
 def lenet_cifar(input_shape: tuple[int, ...], num_classes: int) -> nn.Sequential:
     """Hermes' IC-CIFAR10 model (LotteryFL ``CNNCifar``): classic LeNet-5, 62,006 parameters on CIFAR-10."""
-    c, h, w = image_shape(input_shape, "lenet_cifar")
-    for _ in range(2):
-        h, w = conv_out(h, 5) // 2, conv_out(w, 5) // 2
-    check_spatial("lenet_cifar", input_shape, h, w)
-    return nn.Sequential(
-        OrderedDict(
-            conv1=nn.Conv2d(c, 6, 5),
-            relu1=nn.ReLU(),
-            pool1=nn.MaxPool2d(2),
-            conv2=nn.Conv2d(6, 16, 5),
-            relu2=nn.ReLU(),
-            pool2=nn.MaxPool2d(2),
-            flatten=nn.Flatten(),
-            fc1=nn.Linear(16 * h * w, 120),
-            relu3=nn.ReLU(),
-            fc2=nn.Linear(120, 84),
-            relu4=nn.ReLU(),
-            fc3=nn.Linear(84, num_classes),
-        )
+    return _two_conv_net(
+        "lenet_cifar", input_shape, num_classes, channels=(6, 16), kernel=5, hidden=(120, 84)
     )
 
 
@@ -156,42 +147,22 @@ def lenet_emnist(input_shape: tuple[int, ...], num_classes: int, *, hidden: int 
 
     As in that code there is no ReLU between the two FC layers (hermes.md §5.2).
     """
-    c, h, w = image_shape(input_shape, "lenet_emnist")
-    h, w = h // 2 // 2, w // 2 // 2
-    check_spatial("lenet_emnist", input_shape, h, w)
-    return nn.Sequential(
-        OrderedDict(
-            conv1=nn.Conv2d(c, 10, 5, padding=2),
-            relu1=nn.ReLU(),
-            pool1=nn.MaxPool2d(2),
-            conv2=nn.Conv2d(10, 20, 5, padding=2),
-            relu2=nn.ReLU(),
-            pool2=nn.MaxPool2d(2),
-            flatten=nn.Flatten(),
-            fc1=nn.Linear(20 * h * w, hidden),
-            fc2=nn.Linear(hidden, num_classes),
-        )
+    return _two_conv_net(
+        "lenet_emnist",
+        input_shape,
+        num_classes,
+        channels=(10, 20),
+        kernel=5,
+        padding=2,
+        hidden=(hidden,),
+        relu_between_fc=False,
     )
 
 
 def cnn_digits_pool(input_shape: tuple[int, ...], num_classes: int) -> nn.Sequential:
     """Hermes §8's optional digits CNN: conv3x3 8, pool, conv3x3 16, pool, FC 32, FC out."""
-    c, h, w = image_shape(input_shape, "cnn_digits_pool")
-    h, w = h // 2 // 2, w // 2 // 2
-    check_spatial("cnn_digits_pool", input_shape, h, w)
-    return nn.Sequential(
-        OrderedDict(
-            conv1=nn.Conv2d(c, 8, 3, padding=1),
-            relu1=nn.ReLU(),
-            pool1=nn.MaxPool2d(2),
-            conv2=nn.Conv2d(8, 16, 3, padding=1),
-            relu2=nn.ReLU(),
-            pool2=nn.MaxPool2d(2),
-            flatten=nn.Flatten(),
-            fc1=nn.Linear(16 * h * w, 32),
-            relu3=nn.ReLU(),
-            fc2=nn.Linear(32, num_classes),
-        )
+    return _two_conv_net(
+        "cnn_digits_pool", input_shape, num_classes, channels=(8, 16), kernel=3, padding=1, hidden=(32,)
     )
 
 
