@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from shared.algorithms.base import ServerState
+from shared.algorithms.device_state import atomic_savez
 from shared.schemas import DeviceInfo
 
 log = logging.getLogger("fedfleet.server")
@@ -38,7 +39,7 @@ def save(run_dir: Path, ckpt: Checkpoint) -> None:
     tmp = run_dir / "checkpoint.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    np.savez(tmp / "state.npz", **ckpt.state.arrays)  # type: ignore[arg-type]
+    atomic_savez(tmp / "state.npz", ckpt.state.arrays)
     meta = {
         "round": ckpt.round,
         "state_meta": ckpt.state.meta,

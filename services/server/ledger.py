@@ -18,6 +18,7 @@ import numpy as np
 
 from services.server.round import EvaluationState, RoundState
 from shared import metrics
+from shared.algorithms.device_state import atomic_savez
 from shared.results import DeviceStats, plot_run, write_devices, write_rounds, write_summary
 from shared.schemas import DeviceInfo, MetricKey
 
@@ -214,7 +215,7 @@ class RunLedger:
         write_rounds(run_dir, self.rows)
         write_devices(run_dir, list(self.devices.values()))
         write_summary(run_dir, self.summary(meta, evaluation))
-        np.savez(run_dir / "global_model.npz", **arrays)  # type: ignore[arg-type]
+        atomic_savez(run_dir / "global_model.npz", arrays)
         plot_run(run_dir, self.rows, title)
 
     # -- checkpoint --------------------------------------------------------------------------------

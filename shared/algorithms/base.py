@@ -23,7 +23,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 import torch
@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict
 from shared import codec
 from shared.algorithms.training import samples_per_task
 from shared.config import TrainConfig
-from shared.devices import TrainingFootprint, training_flops, training_footprint
+from shared.devices import Optimizer, TrainingFootprint, training_flops, training_footprint
 from shared.models.state import load_arrays as load_arrays  # re-exported: strategies import it from here
 from shared.models.state import model_arrays as model_arrays
 from shared.schemas import DeviceInfo
@@ -43,6 +43,17 @@ from shared.seeding import derive_seed as derive_seed
 #: strategy: a strategy that kept a reference into server state saw an empty fleet after the server
 #: replaced its registry on resume, and budget-aware algorithms silently planned differently.
 Fleet = Mapping[int, DeviceInfo]
+
+
+OptionsT = TypeVar("OptionsT", bound=BaseModel)
+
+
+def typed_options(options: BaseModel, cls: type[OptionsT]) -> OptionsT:
+    """A strategy's options as its own model. ``parse_options`` validated them with the class's
+    ``Options``, so anything else is a wiring bug, said as one."""
+    if not isinstance(options, cls):
+        raise TypeError(f"expected {cls.__name__} options, got {type(options).__name__}")
+    return options
 
 
 class NoOptions(BaseModel):
@@ -149,7 +160,7 @@ class StrategyContext:
     seed: int
     options: BaseModel
     #: optimizer whose state the memory accountant counts ("sgd", "sgd_momentum", "adam")
-    optimizer: str = "sgd"
+    optimizer: Optimizer = "sgd"
 
 
 class Strategy(ABC):
@@ -251,7 +262,7 @@ class Strategy(ABC):
                 model,
                 self.ctx.input_shape,
                 self.ctx.train.batch_size,
-                optimizer=self.ctx.optimizer,  # type: ignore[arg-type]
+                optimizer=self.ctx.optimizer,
                 trainable_params=trainable,
             )
             per_sample = training_flops(model, self.ctx.input_shape, 1, 1, trainable_params=trainable)

@@ -55,6 +55,7 @@ from shared.algorithms.base import (
     TaskSpec,
     UpdateSpec,
     derive_seed,
+    typed_options,
 )
 from shared.algorithms.training import evaluate, local_sgd
 from shared.devices import TrainingFootprint, measure_activation_bytes
@@ -116,7 +117,7 @@ class DynamicPruning(Strategy):
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
-        self.opts: DynamicPruningOptions = ctx.options  # type: ignore[assignment]
+        self.opts = typed_options(ctx.options, DynamicPruningOptions)
         model = self.train_model()
         self.prunable = prunable_weights(model, self.opts.dense_layers)
         if not self.prunable:

@@ -70,6 +70,7 @@ from shared.algorithms.base import (
     TaskSpec,
     UpdateSpec,
     derive_seed,
+    typed_options,
 )
 from shared.algorithms.training import evaluate, local_sgd
 from shared.devices import TrainingFootprint, embracingfl_capacity, layer_flops, training_footprint
@@ -152,7 +153,7 @@ class EmbracingFL(Strategy):
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
-        self.opts: EmbracingFLOptions = ctx.options  # type: ignore[assignment]
+        self.opts = typed_options(ctx.options, EmbracingFLOptions)
         self.split = LayerSplit(ctx.model_factory(), ctx.input_shape)
         L = self.split.num_blocks
         for name in ("moderate_blocks", "weak_blocks"):
@@ -330,7 +331,7 @@ class EmbracingFL(Strategy):
         model = self.ctx.model_factory()
         arrays = model_arrays(model)
         for name, t in task.tensors.items():
-            arrays[name] = np.asarray(t.array) if isinstance(t, codec.Dense) else t.to_dense()  # type: ignore[union-attr]
+            arrays[name] = codec.to_array(t)
         load_arrays(model, arrays)
         trainable = split.suffix_params(cut)
         for name, p in model.named_parameters():
@@ -424,7 +425,7 @@ class EmbracingFL(Strategy):
             model,
             self.ctx.input_shape,
             B,
-            optimizer=self.ctx.optimizer,  # type: ignore[arg-type]
+            optimizer=self.ctx.optimizer,
             trainable_params=None if cut == 1 else split.suffix_params(cut),
             param_bytes_override=None if cut == 1 else split.suffix_resident_bytes(cut),
         )

@@ -62,7 +62,7 @@ class FedAvg(Strategy):
         model = self.ctx.model_factory()
         current = model_arrays(model)
         for name, t in task.tensors.items():
-            current[name] = np.asarray(t.array) if isinstance(t, codec.Dense) else t.to_dense()  # type: ignore[union-attr]
+            current[name] = codec.to_array(t)
         load_arrays(model, current)
         metrics = local_sgd(model, device.data.x_train, device.data.y_train, self.ctx.train, device.seed)
         trained = model_arrays(model)
@@ -93,7 +93,7 @@ class FedAvg(Strategy):
     def reduce(self, partial: Partial, update: UpdateSpec) -> Partial:
         n = float(update.num_samples)
         contribution = Partial(
-            {k: np.asarray(t.array, dtype=np.float64) * n for k, t in update.tensors.items()},  # type: ignore[union-attr]
+            {k: np.asarray(codec.to_array(t), dtype=np.float64) * n for k, t in update.tensors.items()},
             {"weight": n},
         )
         return partial.add(contribution)

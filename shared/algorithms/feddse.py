@@ -30,6 +30,7 @@ from typing import ClassVar, Literal
 
 import numpy as np
 from pydantic import Field
+from torch import nn
 
 from shared import codec
 from shared.algorithms.base import (
@@ -40,9 +41,10 @@ from shared.algorithms.base import (
     derive_seed,
     load_arrays,
     model_arrays,
+    typed_options,
 )
 from shared.algorithms.width_slicing import WidthSliceStrategy
-from shared.models.width_slice import Counts, Selection, WidthOptions, any_to_dense, unit_scores
+from shared.models.width_slice import Counts, Selection, WidthOptions, unit_scores
 
 
 class FedDSEOptions(WidthOptions):
@@ -102,7 +104,7 @@ class FedDSE(WidthSliceStrategy):
 
     @property
     def dse(self) -> FedDSEOptions:
-        return self.opts  # type: ignore[return-value]
+        return typed_options(self.opts, FedDSEOptions)
 
     def choose(self, round: int, device: int, position: int, counts: Counts) -> Selection:
         raise NotImplementedError("FedDSE chooses its units on the device (train), not on the server")
@@ -132,8 +134,9 @@ class FedDSE(WidthSliceStrategy):
         if set(task.tensors) != set(self.structure.shapes):
             raise codec.CodecError("tensor", "feddse tasks carry the full model")
         full = self.ctx.model_factory()
+        assert isinstance(full, nn.Sequential), "width slicing checked the model at start"
         arrays = model_arrays(full)
-        arrays.update({k: any_to_dense(t) for k, t in task.tensors.items()})
+        arrays.update({k: codec.to_array(t) for k, t in task.tensors.items()})
         load_arrays(full, arrays)
         x = device.data.x_train
         rng = np.random.default_rng(
@@ -142,7 +145,7 @@ class FedDSE(WidthSliceStrategy):
         n_inf = self._n_inf(len(x))
         if n_inf < len(x):
             x = x[np.sort(rng.choice(len(x), size=n_inf, replace=False))]
-        scores = unit_scores(full, self.structure, x)  # type: ignore[arg-type]
+        scores = unit_scores(full, self.structure, x)
         counts = self.counts_for(self.task_rate(task))
         o = self.dse
         sel = {

@@ -31,7 +31,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from shared.algorithms.base import DeviceContext, StrategyContext
+from shared.algorithms.base import DeviceContext, StrategyContext, typed_options
 from shared.algorithms.dynamic_pruning import DynamicPruning, DynamicPruningOptions
 from shared.algorithms.training import local_sgd
 from shared.models.dynamic_sparse import extrusion_lr, smallest_active, to_fedmef_model
@@ -61,7 +61,7 @@ class FedMef(DynamicPruning):
     Options = FedMefOptions
 
     def __init__(self, ctx: StrategyContext) -> None:
-        self.mopts: FedMefOptions = ctx.options  # type: ignore[assignment]
+        self.mopts = typed_options(ctx.options, FedMefOptions)
         super().__init__(ctx)
 
     def train_model(self) -> nn.Module:

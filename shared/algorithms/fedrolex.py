@@ -23,7 +23,7 @@ from typing import Literal
 import numpy as np
 from pydantic import Field
 
-from shared.algorithms.base import Fleet, ServerState, TaskSpec
+from shared.algorithms.base import Fleet, ServerState, TaskSpec, typed_options
 from shared.algorithms.width_slicing import WidthSliceStrategy
 from shared.models.width_slice import Counts, Selection, WidthOptions
 
@@ -41,7 +41,7 @@ class FedRolex(WidthSliceStrategy):
     Options = FedRolexOptions
 
     def choose(self, round: int, device: int, position: int, counts: Counts) -> Selection:
-        o: FedRolexOptions = self.opts  # type: ignore[assignment]
+        o = typed_options(self.opts, FedRolexOptions)
         steps = (round - 1) if o.roll == "round" else (round - 1) * self._planned + position
         out: Selection = {}
         for h, k in counts.items():

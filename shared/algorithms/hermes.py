@@ -59,6 +59,7 @@ from shared.algorithms.base import (
     derive_seed,
     load_arrays,
     model_arrays,
+    typed_options,
 )
 from shared.algorithms.training import evaluate, local_sgd
 from shared.data.partitioning import split_local
@@ -151,7 +152,7 @@ class Hermes(Strategy):
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
-        self.opts: HermesOptions = ctx.options  # type: ignore[assignment]
+        self.opts = typed_options(ctx.options, HermesOptions)
         model = ctx.model_factory()
         if not isinstance(model, nn.Sequential):
             raise ValueError("hermes needs a sequential model (mlp, cnn_digits_pool, tinycnn, lenet...)")
@@ -267,7 +268,7 @@ class Hermes(Strategy):
         keep = st.keep_from_payload(task.tensors)
         arrays = model_arrays(self.ctx.model_factory())
         for name, t in task.tensors.items():
-            arrays[name] = np.asarray(t.array) if isinstance(t, codec.Dense) else t.to_dense()  # type: ignore[union-attr]
+            arrays[name] = codec.to_array(t)
         data = self._data(device)
 
         # 1. the downloaded subnetwork W ⊙ M_k: personal test accuracy and the gate's val accuracy
@@ -346,7 +347,7 @@ class Hermes(Strategy):
             keep = self.structure.keep_from_payload(task.tensors)
             arrays = model_arrays(self.ctx.model_factory())
             for name, t in task.tensors.items():
-                arrays[name] = np.asarray(t.array) if isinstance(t, codec.Dense) else t.to_dense()  # type: ignore[union-attr]
+                arrays[name] = codec.to_array(t)
             model, _ = self._masked_model(arrays, keep)
             ev_down = evaluate(model, data.x_test, data.y_test)
             out.update(eval_accuracy_download=ev_down["accuracy"], eval_loss_download=ev_down["loss"])
@@ -411,7 +412,7 @@ class Hermes(Strategy):
         arrays: dict[str, np.ndarray] = {}
         for name in st.shapes:
             t = update.tensors[name]
-            full = np.asarray(t.array if isinstance(t, codec.Dense) else t.to_dense(), dtype=np.float64)  # type: ignore[union-attr]
+            full = np.asarray(codec.to_array(t), dtype=np.float64)
             mask = st.tensor_mask(name, keep).astype(np.float64)
             arrays[f"sum/{name}"] = p * full * mask
             arrays[f"count/{name}"] = p * (

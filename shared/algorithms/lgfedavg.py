@@ -46,6 +46,7 @@ from shared.algorithms.base import (
     UpdateSpec,
     load_arrays,
     model_arrays,
+    typed_options,
 )
 from shared.algorithms.training import evaluate, local_sgd
 from shared.models.partial_training import LayerSplit
@@ -75,7 +76,7 @@ class LGFedAvg(Strategy):
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
-        self.opts: LGFedAvgOptions = ctx.options  # type: ignore[assignment]
+        self.opts = typed_options(ctx.options, LGFedAvgOptions)
         self.split = LayerSplit(ctx.model_factory(), ctx.input_shape)
         if self.opts.global_blocks >= self.split.num_blocks:
             raise ValueError(
@@ -139,7 +140,7 @@ class LGFedAvg(Strategy):
         # The server sends the representation only to devices it does not count as holding one
         # (phase 1, or a device's first phase-2 task), so whatever the task carries wins.
         for name, t in task.tensors.items():
-            arrays[name] = np.asarray(t.array) if isinstance(t, codec.Dense) else t.to_dense()  # type: ignore[union-attr]
+            arrays[name] = codec.to_array(t)
         load_arrays(model, arrays)
         return model, stored
 

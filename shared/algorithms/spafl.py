@@ -474,7 +474,7 @@ class SpaFL(Strategy):
     def reduce(self, partial: Partial, update: UpdateSpec) -> Partial:
         """Unweighted: each device adds its τ_k and a count of 1 (eq. 7 has no D_k weighting)."""
         contribution = Partial(
-            {k: np.asarray(t.array, dtype=np.float64) for k, t in update.tensors.items()},  # type: ignore[union-attr]
+            {k: np.asarray(codec.to_array(t), dtype=np.float64) for k, t in update.tensors.items()},
             {"count": 1.0},
         )
         return partial.add(contribution)

@@ -34,6 +34,7 @@ from shared.algorithms.base import (
     UpdateSpec,
     load_arrays,
     model_arrays,
+    typed_options,
 )
 from shared.algorithms.device_state import load_before
 from shared.algorithms.device_state import save as save_state
@@ -79,7 +80,7 @@ class Standalone(Strategy):
 
     # -- client half ---------------------------------------------------------------------------------
     def train(self, task: TaskSpec, device: DeviceContext) -> UpdateSpec:
-        opts: StandaloneOptions = self.options  # type: ignore[assignment]
+        opts = typed_options(self.options, StandaloneOptions)
         model = self.ctx.model_factory()
         epochs_done = 0
         saved = load_before(device.state_dir, STATE_PREFIX, device.round)

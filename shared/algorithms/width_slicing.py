@@ -28,6 +28,7 @@ from shared.algorithms.base import (
     TaskSpec,
     UpdateSpec,
     derive_seed,
+    typed_options,
 )
 from shared.algorithms.training import evaluate, local_sgd
 from shared.models.state import load_arrays, model_arrays
@@ -36,7 +37,6 @@ from shared.models.width_slice import (
     Selection,
     WidthOptions,
     WidthStructure,
-    any_to_dense,
     sample_rate,
 )
 
@@ -71,7 +71,7 @@ class WidthSliceStrategy(Strategy):
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
-        self.opts: WidthOptions = ctx.options  # type: ignore[assignment]
+        self.opts = typed_options(ctx.options, WidthOptions)
         template = ctx.model_factory()
         if not isinstance(template, nn.Sequential):
             raise ValueError(f"{self.name} needs a sequential model (mlp, cnn_feddse, cnn_digits, ...)")
@@ -190,7 +190,7 @@ class WidthSliceStrategy(Strategy):
         """The units to train and their current weights. Baselines: both come in the slice payload."""
         sel = self.structure.selection_from_payload(task.tensors)
         compact = {
-            k: any_to_dense(t) if not isinstance(t, codec.Sliced) else t.values
+            k: codec.to_array(t) if not isinstance(t, codec.Sliced) else t.values
             for k, t in task.tensors.items()
         }
         return sel, compact

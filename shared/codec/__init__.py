@@ -80,6 +80,7 @@ from shared.codec.tensors import (
     Threshold,
     dense_bytes,
     index_dtype_for,
+    to_array,
 )
 from shared.codec.wire import (
     CODEC_VERSION,
@@ -112,5 +113,6 @@ __all__ = [
     "encode",
     "index_dtype_for",
     "packb",
+    "to_array",
     "unpackb",
 ]

@@ -331,6 +331,14 @@ def _kept_shape(shape: tuple[int, ...], indices: tuple[IndexArray | None, ...]) 
 Tensor = Dense | Threshold | Sparse | Sliced
 
 
+def to_array(t: Tensor, fill: Any = 0) -> AnyArray:
+    """The full (dense) values of any tensor kind; positions a sparse or sliced tensor does not
+    hold are ``fill``."""
+    if isinstance(t, Dense | Threshold):
+        return np.asarray(t.array)
+    return t.to_dense(fill)
+
+
 def dense_bytes(t: Tensor) -> int:
     """Dense-equivalent size: numel(full shape) * itemsize(values dtype).
 

@@ -34,7 +34,7 @@ import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -481,12 +481,3 @@ def expected_upload_fraction(structure: WidthStructure, opts: WidthOptions) -> f
             if q > 0:
                 total += pb * q * structure.params(structure.counts(r, opts.rounding)) / full
     return total
-
-
-def any_to_dense(t: Any) -> np.ndarray:
-    """A payload tensor as a dense numpy array (zeros outside a slice or sparse support)."""
-    if isinstance(t, codec.Dense | codec.Threshold):
-        return np.asarray(t.array)
-    if isinstance(t, codec.Sliced | codec.Sparse):
-        return t.to_dense()
-    raise codec.CodecError("tensor", f"not a codec tensor: {type(t).__name__}")
