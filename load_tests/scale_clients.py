@@ -30,7 +30,6 @@ import ipaddress
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,6 +48,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(REPO))
 
+from services.orchestrator import ProcessCluster  # noqa: E402
 from shared.config import Settings, parse_config  # noqa: E402
 from shared.results import read_rounds, read_summary  # noqa: E402
 from shared.transport import ExperimentNames  # noqa: E402
@@ -181,60 +181,45 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     config = work / "experiment.yaml"
     config.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
 
-    env = dict(os.environ, RABBITMQ_URL=url, PYTHONPATH=str(REPO), FEDFLEET_LOG_LEVEL="WARNING")
-    common = ["--config", str(config), "--experiment", exp_id, "--metrics-port", "0"]
-    specs: list[tuple[str, list[str]]] = [("server", ["server", *common, "--run-dir", str(run_dir)])]
+    cluster = ProcessCluster(
+        url,
+        exp_id,
+        config,
+        run_dir,
+        logs=work / "logs",
+        state_dir=work / "s",
+        env=dict(os.environ, FEDFLEET_LOG_LEVEL="WARNING"),
+    )
     agg_ids = [f"agg-{i}" for i in range(args.aggregators)]
     client_ids = [f"client-{i}" for i in range(args.clients)]
-    specs += [(a, ["aggregator", *common, "--id", a]) for a in agg_ids]
-    for i, c in enumerate(client_ids):
-        first = i * args.devices_per_client
-        devices = f"{first}-{first + args.devices_per_client - 1}"
-        specs.append(
-            (c, ["client", *common, "--id", c, "--devices", devices, "--state-dir", str(work / "s")])
-        )
     # Each aggregator's own queue carries only control messages and is named per session (a random
     # suffix), so it is not sampled; aggregators delete it when they stop (and it expires anyway).
     queues = [names.server_queue, names.updates_queue, names.dead_letter_queue]
     queues += [names.client_queue(c) for c in client_ids]
 
-    # the server logs at INFO so its registration events can be read back; the others stay quiet
-    procs: dict[str, subprocess.Popen[bytes]] = {}
-    logs = work / "logs"
-    logs.mkdir(exist_ok=True)
     started = time.time()
     sampler = DepthSampler(url, queues)
     timed_out = False
     try:
-        for name, argv in specs:
-            with (logs / f"{name}.log").open("wb") as log:
-                procs[name] = subprocess.Popen(
-                    [sys.executable, "-m", "services.cli", *argv],
-                    stdout=log,
-                    stderr=log,
-                    env={**env, "FEDFLEET_LOG_LEVEL": "INFO"} if name == "server" else env,
-                    cwd=REPO,
-                )
+        # the server logs at INFO so its registration events can be read back; the others stay quiet
+        server = cluster.server(env={"FEDFLEET_LOG_LEVEL": "INFO"})
+        for a in agg_ids:
+            cluster.aggregator(a)
+        for i, c in enumerate(client_ids):
+            first = i * args.devices_per_client
+            cluster.client(c, f"{first}-{first + args.devices_per_client - 1}")
         launched = time.time()
         deadline = started + args.timeout
-        while procs["server"].poll() is None:
+        while server.alive():
             if time.time() > deadline:
                 timed_out = True
                 break
             sampler.sample()
             time.sleep(args.sample_s)
-        server_rc = procs["server"].poll()
+        server_rc = server.returncode
     finally:
         sampler.close()
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in procs.values():
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        cluster.stop_all()
         t = AmqpTransport(url, exp_id)
         try:
             t.delete_experiment(queues)
@@ -243,7 +228,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finished = time.time()
 
     rows = read_rounds(run_dir)
-    registered = _registered_at(logs / "server.log", num_devices)
+    registered = _registered_at(cluster.logs / "server.log", num_devices)
     summary = read_summary(run_dir) if (run_dir / "summary.json").exists() else {}
     result = {
         "experiment": exp_id,
@@ -265,7 +250,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "queues": {q.removeprefix(f"ff.{exp_id}."): s.summary() for q, s in sampler.stats.items()},
         "load_average": os.getloadavg(),
         "cores": os.cpu_count(),
-        "logs": str(logs) if args.keep else None,
+        "logs": str(cluster.logs) if args.keep else None,
     }
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)

@@ -382,18 +382,22 @@ class ProcessCluster:
         self.ports: dict[str, int] = {}
         self.env = dict(env if env is not None else os.environ, RABBITMQ_URL=url, PYTHONPATH=str(ROOT))
 
-    def start(self, name: str, argv: list[str], metrics_port: int = 0) -> ServiceProcess:
+    def start(
+        self, name: str, argv: list[str], metrics_port: int = 0, *, env: dict[str, str] | None = None
+    ) -> ServiceProcess:
+        """Start ``python -m services.cli <argv>`` for this experiment; ``env`` adds to the cluster's."""
         common = ["--config", str(self.config), "--experiment", self.experiment_id]
-        proc = ServiceProcess(
-            name, [*argv, *common, "--metrics-port", str(metrics_port)], self.logs / f"{name}.log", self.env
-        )
+        argv = [*argv, *common, "--metrics-port", str(metrics_port)]
+        proc = ServiceProcess(name, argv, self.logs / f"{name}.log", {**self.env, **(env or {})})
         self.procs.append(proc)
         if metrics_port:
             self.ports[name] = metrics_port
         return proc
 
-    def server(self, name: str = "server", *, metrics_port: int = 0) -> ServiceProcess:
-        return self.start(name, ["server", "--run-dir", str(self.run_dir)], metrics_port=metrics_port)
+    def server(
+        self, name: str = "server", *, metrics_port: int = 0, env: dict[str, str] | None = None
+    ) -> ServiceProcess:
+        return self.start(name, ["server", "--run-dir", str(self.run_dir)], metrics_port, env=env)
 
     def aggregator(self, name: str, *, metrics_port: int = 0) -> ServiceProcess:
         return self.start(name, ["aggregator", "--id", name], metrics_port=metrics_port)
