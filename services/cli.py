@@ -16,6 +16,7 @@ import socket
 import sys
 import threading
 import time
+import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -71,8 +72,10 @@ def _linger(settings: Settings) -> None:
 
 
 def _install_signal_handlers(service: Any) -> None:
+    """SIGTERM/SIGINT: the service's own ``terminate`` (a client host first hands its devices back)."""
+
     def stop(signum: int, frame: Any) -> None:
-        service.stopped = True
+        service.terminate()
         _TERMINATED.set()
 
     signal.signal(signal.SIGTERM, stop)
@@ -90,14 +93,13 @@ def _parse_devices(spec: str) -> list[int]:
     return out
 
 
-def _client_index(value: str) -> int:
-    if value != "auto":
-        return int(value)
-    host = os.environ.get("HOSTNAME") or socket.gethostname()
-    m = re.search(r"-(\d+)$", host)
-    if not m:
-        raise SystemExit(f"--client-index auto: cannot read a pod ordinal from hostname {host!r}")
-    return int(m.group(1))
+def _host_id(given: str | None) -> str:
+    """``--id``, else the pod's (or machine's) name plus a random suffix: a restarted container in
+    the same pod is a new host (its old leases may already have gone to others)."""
+    if given:
+        return given
+    name = re.sub(r"[^A-Za-z0-9_.:-]", "-", os.environ.get("HOSTNAME") or socket.gethostname())
+    return f"{name.strip('-') or 'host'}-{uuid.uuid4().hex[:6]}"
 
 
 # -- service commands ------------------------------------------------------------------------------
@@ -156,7 +158,8 @@ def cmd_aggregator(args: argparse.Namespace) -> int:
 
 
 def cmd_client(args: argparse.Namespace) -> int:
-    from services.client.service import Client
+    from services.client.capacity import host_budget, memory_limit
+    from services.client.service import Client, per_device_bytes
     from services.common import setup_logging
     from shared import metrics
     from shared.experiment import Experiment
@@ -165,28 +168,27 @@ def cmd_client(args: argparse.Namespace) -> int:
     setup_logging(settings.log_level)
     cfg = _load(args.config)
     exp_id = _experiment_id(args, cfg, settings)
-    if args.devices:
-        devices = _parse_devices(args.devices)
-        index = None
-    else:
-        index = _client_index(args.client_index)
-        per = args.devices_per_client
-        devices = [d for d in range(index * per, (index + 1) * per) if d < cfg.num_devices]
-        if not devices:
-            raise SystemExit(
-                f"client index {index} hosts no devices (fleet has {cfg.num_devices}, {per} per client)"
-            )
+    pinned = _parse_devices(args.devices) if args.devices else None
+    if args.max_devices is not None and args.max_devices < 1:
+        raise SystemExit("--max-devices must be at least 1")
     metrics.serve(_metrics_port(args, settings, "client"))
+    exp = Experiment.build(cfg)
+    capacity, memory = host_budget(
+        memory_limit(), per_device_bytes(exp), exp.full_footprint_bytes, args.max_devices
+    )
     transport = _transport(settings.rabbitmq_url, exp_id)
-    client_id = args.id or (f"client-{index}" if index is not None else f"client-{devices[0]}")
-    state_dir = Path(args.state_dir or Path("runs") / exp_id / "device-state")
+    client_id = _host_id(args.id)
+    state_dir = Path(args.state_dir or Path("runs") / exp_id / "hosts" / client_id)
     client = Client(
         transport,
-        Experiment.build(cfg),
+        exp,
         experiment_id=exp_id,
         client_id=client_id,
-        device_ids=devices,
         state_dir=state_dir,
+        pinned=pinned,
+        max_devices=capacity,
+        memory_bytes=memory,
+        on_stop=settings.on_stop,
     )
     _install_signal_handlers(client)
     client.run()
@@ -363,12 +365,14 @@ def build_parser() -> argparse.ArgumentParser:
     agg.add_argument("--id")
     cli = service("client", cmd_client)
     cli.add_argument("--id")
-    cli.add_argument("--devices", help="device ids hosted, e.g. '0-9' or '0,2,4'")
     cli.add_argument(
-        "--client-index", default="auto", help="host devices [i*M, (i+1)*M); 'auto' = pod ordinal"
+        "--devices",
+        help="serve exactly these devices, e.g. '0-9' or '0,2,4' (default: whatever the server leases)",
     )
-    cli.add_argument("--devices-per-client", type=int, default=10)
-    cli.add_argument("--state-dir")
+    cli.add_argument(
+        "--max-devices", type=int, help="most devices to host (default: what the memory limit allows)"
+    )
+    cli.add_argument("--state-dir", help="the devices' private state (default: runs/<experiment>/hosts/<id>)")
 
     rep = sub.add_parser("report", help="print a finished run's results")
     rep.add_argument("run")

@@ -152,6 +152,10 @@ class ServiceBase:
         return unroutable
 
     # -- the loop --------------------------------------------------------------------------------
+    def terminate(self) -> None:
+        """SIGTERM: stop after the current message (a client host hands its devices back first)."""
+        self.stopped = True
+
     def tick(self) -> None:
         """Timers (deadlines, heartbeats); called between batches of deliveries."""
 

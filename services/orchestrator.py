@@ -51,13 +51,6 @@ ROOT = Path(__file__).resolve().parents[1]
 RoundHook = Callable[["Server"], None]
 
 
-def client_ranges(num_devices: int, clients: int) -> list[list[int]]:
-    """The devices each of ``clients`` client processes hosts: dealt round-robin, so every process
-    gets a mix of the fleet's tiers."""
-    clients = min(clients, num_devices)
-    return [list(range(num_devices))[i::clients] for i in range(clients)]
-
-
 # -- progress --------------------------------------------------------------------------------------
 class RoundProgress:
     """A rich progress bar over rounds: accuracy and megabytes on the wire so far."""
@@ -116,7 +109,9 @@ class InprocCluster:
         from services.server.service import Server
 
         self.exp, self.cfg, self.run_dir, self.experiment_id = exp, exp.cfg, run_dir, experiment_id
-        self.state_dir = state_dir or run_dir / "device-state"
+        #: hosts keep their devices' state under ``<state_dir>/<host id>`` (the server keeps the newest
+        #: copy of every device in ``<run_dir>/device-state``)
+        self.state_dir = state_dir or run_dir / "hosts"
         if transport is None:
             from shared.transport.inproc import InprocBroker, InprocTransport
 
@@ -127,11 +122,13 @@ class InprocCluster:
             self.broker, self._transport = None, transport
         self.server = Server(self._transport(), exp, run_dir, experiment_id=experiment_id)
         self.services: list[ServiceBase] = [self.server]
+        #: services that stopped by themselves (a host that left, everyone at the end)
+        self.exited: list[ServiceBase] = []
         for i in range(self.cfg.processes.aggregators if aggregators is None else aggregators):
             self.add_aggregator(f"agg-{i}")
         n_clients = self.cfg.processes.clients if clients is None else clients
-        for i, devices in enumerate(client_ranges(self.cfg.num_devices, n_clients)):
-            self.add_client(f"client-{i}", devices)
+        for i in range(min(n_clients, self.cfg.num_devices)):
+            self.add_client(f"client-{i}")
 
     @property
     def aggregators(self) -> list[Aggregator]:
@@ -160,7 +157,10 @@ class InprocCluster:
         self.services.append(agg)
         return agg
 
-    def add_client(self, name: str, devices: list[int]) -> Client:
+    def add_client(
+        self, name: str, devices: list[int] | None = None, *, max_devices: int | None = None
+    ) -> Client:
+        """A client host: it serves what the server leases it, or exactly ``devices`` (pinned)."""
         from services.client.service import Client
 
         client = Client(
@@ -168,11 +168,17 @@ class InprocCluster:
             self.exp,
             experiment_id=self.experiment_id,
             client_id=name,
-            device_ids=devices,
-            state_dir=self.state_dir,
+            state_dir=self.state_dir / name,
+            pinned=devices,
+            max_devices=max_devices,
         )
         self.services.append(client)
         return client
+
+    def leave(self, client: Client) -> None:
+        """A host asked to leave (SIGTERM): it goes on serving until its devices are handed over,
+        then stops and is removed here."""
+        client.terminate()
 
     def crash(self, service: ServiceBase) -> None:
         """Take a service away as a crash would: its connection closes, its unacked messages are
@@ -184,9 +190,12 @@ class InprocCluster:
         """One pass: every service handles what is ready for it, then runs its timers; ``after_each``
         runs after each service's turn."""
         for svc in list(self.services):
-            if svc in self.services:  # a hook may have crashed it during this pass
+            if svc in self.services and svc not in self.exited:  # a hook may have crashed it
                 svc.transport.process(0)
                 svc.tick()
+                if svc.stopped and svc is not self.server:  # as its process would exit
+                    svc.transport.close()
+                    self.exited.append(svc)
                 if after_each is not None:
                     after_each()
 
@@ -231,7 +240,8 @@ class InprocCluster:
 
     def close(self) -> None:
         for svc in self.services:
-            svc.transport.close()
+            if svc not in self.exited:
+                svc.transport.close()
 
 
 def run_inproc(
@@ -377,7 +387,8 @@ class ProcessCluster:
         self.url, self.experiment_id, self.config, self.run_dir = url, experiment_id, config, run_dir
         self.logs = logs or run_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
-        self.state_dir = state_dir or run_dir / "device-state"
+        #: hosts keep their devices' state under ``<state_dir>/<host id>``
+        self.state_dir = state_dir or run_dir / "hosts"
         self.procs: list[ServiceProcess] = []
         self.ports: dict[str, int] = {}
         self.env = dict(env if env is not None else os.environ, RABBITMQ_URL=url, PYTHONPATH=str(ROOT))
@@ -402,8 +413,15 @@ class ProcessCluster:
     def aggregator(self, name: str, *, metrics_port: int = 0) -> ServiceProcess:
         return self.start(name, ["aggregator", "--id", name], metrics_port=metrics_port)
 
-    def client(self, name: str, devices: str, *, metrics_port: int = 0) -> ServiceProcess:
-        argv = ["client", "--id", name, "--devices", devices, "--state-dir", str(self.state_dir)]
+    def client(
+        self, name: str, devices: str | None = None, *, max_devices: int | None = None, metrics_port: int = 0
+    ) -> ServiceProcess:
+        """A client host; ``devices`` pins what it serves (default: what the server leases it)."""
+        argv = ["client", "--id", name, "--state-dir", str(self.state_dir / name)]
+        if devices is not None:
+            argv += ["--devices", devices]
+        if max_devices is not None:
+            argv += ["--max-devices", str(max_devices)]
         return self.start(name, argv, metrics_port=metrics_port)
 
     def standard(self, cfg: ExperimentConfig, *, aggregators: int, clients: int, base_port: int = 0) -> None:
@@ -424,8 +442,8 @@ class ProcessCluster:
         self.server(metrics_port=next_port())
         for i in range(aggregators):
             self.aggregator(f"aggregator-{i}", metrics_port=next_port())
-        for i, devs in enumerate(client_ranges(cfg.num_devices, clients)):
-            self.client(f"client-{i}", ",".join(map(str, devs)), metrics_port=next_port())
+        for i in range(min(clients, cfg.num_devices)):
+            self.client(f"client-{i}", metrics_port=next_port())
 
     def get(self, name: str) -> ServiceProcess:
         return next(p for p in self.procs if p.name == name)

@@ -114,6 +114,7 @@ def write_config(path: Path, **overrides: Any) -> Path:
         "algorithm": {"name": "fedavg"},
         "train": {"local_epochs": 2, "batch_size": 16, "lr": 0.3},
         "processes": {"aggregators": 2, "clients": 2, "prefetch": 8},
+        "hosts": {"join_quiet_s": 0.2},
     }
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(base.get(key), dict):

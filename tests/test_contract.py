@@ -71,6 +71,7 @@ def contract_config(algorithm: str, name: str) -> ExperimentConfig:
             "algorithm": {"name": algorithm},
             "train": {"local_epochs": 1, "batch_size": 16, "lr": 0.1, "momentum": 0.5},
             "processes": {"aggregators": 2, "clients": 2, "prefetch": 8},
+            "hosts": {"join_quiet_s": 0.0},
             "fleet": {"preset": "embracingfl-mix"},
         },
         f"<contract {algorithm}>",

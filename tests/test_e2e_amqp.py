@@ -215,7 +215,7 @@ def test_bad_input_is_dead_lettered_and_changes_nothing(cluster: Any, tmp_path: 
         exp,
         experiment_id=c.experiment_id,
         client_id="evil",
-        device_ids=[0],
+        pinned=[0],
         state_dir=tmp_path / "evil",
     )
     thread = threading.Thread(target=client.run, daemon=True)

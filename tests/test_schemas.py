@@ -12,8 +12,8 @@ from shared.schemas import (
     BODY_MODELS,
     DecodeError,
     Kind,
+    Heartbeat,
     Partial,
-    Register,
     Update,
     decode,
     encode,
@@ -27,7 +27,7 @@ LIMIT = 1 << 20
 def _sample(kind: Kind) -> object:
     t = codec.encode(codec.Dense(np.arange(6, dtype=np.float32).reshape(2, 3)))
     samples = {
-        Kind.REGISTER: Register(client_id="c0", devices=[{"device_id": 3, "num_samples": 10}]),
+        Kind.HEARTBEAT: Heartbeat(host_id="c0", capacity=4, holding=[3], epoch=2),
         Kind.UPDATE: Update(device_id=3, num_samples=10, tensors={"w": t}, metrics={"train_loss": 0.5}),
         Kind.PARTIAL: Partial(
             aggregator_id="a", seq=1, devices=[1, 2], tensors={"w": t}, scalars={"weight": 2}
@@ -35,7 +35,8 @@ def _sample(kind: Kind) -> object:
     }
     return samples.get(kind) or BODY_MODELS[kind].model_validate(
         {
-            Kind.HEARTBEAT: {"client_id": "c", "devices": [1]},
+            Kind.LEASE: {"host_id": "c", "epoch": 1, "devices": [1, 2]},
+            Kind.DEVICE_STATE: {"device_id": 1, "files": {"spafl-1.npz": b"\x00\x01"}},
             Kind.ROUND_OPEN: {"selected": [1, 2], "deadline_unix": 1.0},
             Kind.TASK: {"device_id": 1, "tensors": {"w": t}},
             Kind.RECEIPT: {
@@ -78,7 +79,7 @@ def test_tensors_survive_the_envelope() -> None:
 
 def test_wrong_body_type_is_refused_when_sending() -> None:
     with pytest.raises(TypeError):
-        encode(Kind.TASK, _sample(Kind.REGISTER), exp="e", round=1, sender="s")  # type: ignore[arg-type]
+        encode(Kind.TASK, _sample(Kind.HEARTBEAT), exp="e", round=1, sender="s")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

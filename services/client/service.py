@@ -1,4 +1,11 @@
-"""The client: one process hosting M emulated devices, whose limits it enforces.
+"""The client: one process hosting emulated devices — as many as the server leases it — whose limits
+it enforces.
+
+A client process is an interchangeable *host*. It heartbeats to the server (its join, its
+acknowledgements, its leave), serves exactly the devices of its newest lease (binding their task
+queues, loading their data, receiving their stored state first), sends each device's state back
+after every task so the device can continue elsewhere, and on SIGTERM asks to leave: it keeps
+serving until the server has given its devices to others, then exits 0.
 
 For each task addressed to one of its devices it:
 
@@ -23,6 +30,7 @@ emulate many devices concurrently.
 from __future__ import annotations
 
 import math
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,27 +38,44 @@ from typing import Any
 
 from services.common import MessageHandler, ServiceBase, decode_tensors, encode_tensors
 from shared import metrics
-from shared.algorithms.base import DeviceContext, TaskSpec, UpdateSpec, derive_seed
+from shared.algorithms.base import DeviceContext, DeviceData, TaskSpec, UpdateSpec, derive_seed
+from shared.algorithms.device_state import atomic_write_bytes
 from shared.devices import Device, admit, dropout_point, emulate_compute, emulate_transfer, transfer_seconds
 from shared.experiment import Experiment
 from shared.schemas import (
-    DeviceInfo,
+    DeviceState,
     Envelope,
     EvalResult,
     Go,
+    Heartbeat,
     Kind,
+    Lease,
     MetricKey,
     Ready,
-    Register,
     Reject,
     Task,
     Timings,
     Update,
     encode,
 )
-from shared.transport import KEY_CLIENTS, KEY_SERVER, KEY_UPDATE, Delivery, Transport, Unroutable, key_task
+from shared.transport import (
+    KEY_CLIENTS,
+    KEY_SERVER,
+    KEY_UPDATE,
+    Delivery,
+    Transport,
+    Unroutable,
+    key_host,
+    key_task,
+)
 
-REGISTER_EVERY_S = 10.0
+
+def per_device_bytes(exp: Experiment) -> int:
+    """Memory one hosted device keeps resident: its share of the training data, copied out of the
+    dataset when the device is leased (its state lives on disk, not in memory)."""
+    x = exp.train_x
+    sample = int(x[0].nbytes) if len(x) else 0
+    return max(1, sample * -(-len(x) // exp.cfg.num_devices))
 
 
 @dataclass
@@ -73,43 +98,65 @@ class Client(ServiceBase):
         *,
         experiment_id: str,
         client_id: str,
-        device_ids: list[int],
         state_dir: Path,
+        pinned: list[int] | None = None,
+        max_devices: int | None = None,
+        memory_bytes: int | None = None,
         prefetch: int = 2,
+        on_stop: str = "exit",
     ) -> None:
         cfg = exp.cfg
         super().__init__(transport, experiment_id, cfg.algorithm.name, cfg.processes.max_message_bytes)
-        bad = [d for d in device_ids if not 0 <= d < cfg.num_devices]
+        bad = [d for d in pinned or () if not 0 <= d < cfg.num_devices]
         if bad:
             raise ValueError(f"devices {bad[:5]} are outside the fleet of {cfg.num_devices} devices")
         self.exp = exp
         self.strategy = exp.strategy
         self.client_id = client_id
-        self.device_ids = sorted(device_ids)
+        self.pinned = sorted(pinned) if pinned is not None else None
+        self.capacity = max_devices
+        self.memory_bytes = memory_bytes
         self.state_dir = state_dir
         self.emulation = cfg.emulation
+        self.hosts_cfg = cfg.hosts
+        self.on_stop_mode = on_stop
         self.fleet = {d.device_id: d for d in exp.fleet}
         #: first-finishers protocol: when on, devices report ``ready`` and upload only on ``go``
         self.ready_protocol = cfg.emulation.over_selection > 1 or cfg.emulation.round_deadline_s is not None
         self.held: dict[tuple[str, int, int], _Held] = {}
-        for dev in self.device_ids:
-            self._create_series(self.fleet[dev])
-        self.data = {d: exp.device_data(d) for d in self.device_ids}
-        self.last_register = 0.0
-        names = transport.names
-        own = names.client_queue(client_id)
-        transport.declare_queue(own, [KEY_CLIENTS, *(key_task(d) for d in self.device_ids)])
+        #: the devices of the newest lease applied, with their local data
+        self.data: dict[int, DeviceData] = {}
+        #: (server incarnation, epoch) of that lease
+        self.lease_inc, self.epoch = "", -1
+        self.leaving = False
+        self.idle = False
+        self.last_heartbeat = 0.0
+        self.queue = transport.names.client_queue(client_id)
+        # the queue outlives a crashed host only briefly; a live one consumes it all along
+        expires = max(60.0, 6 * cfg.hosts.lease_timeout_s)
+        transport.declare_queue(self.queue, [KEY_CLIENTS, key_host(client_id)], expires_s=expires)
         handlers: dict[Kind, MessageHandler] = {
+            Kind.LEASE: self.on_lease,
+            Kind.DEVICE_STATE: self.on_device_state,
             Kind.TASK: self.on_task,
             Kind.GO: self.on_go,
             Kind.EVALUATE: self.on_evaluate,
             Kind.STOP: self.on_stop,
         }
-        transport.consume(own, lambda d: self.dispatch(d, handlers), prefetch=prefetch)
-        self.register()
+        transport.consume(self.queue, lambda d: self.dispatch(d, handlers), prefetch=prefetch)
+        self.heartbeat()
         self.log.info(
-            "client %s hosts %d devices", client_id, len(self.device_ids), extra={"event": "client_ready"}
+            "client host %s ready (capacity %s, memory %s, pinned %s)",
+            client_id,
+            max_devices,
+            memory_bytes,
+            self.pinned,
+            extra={"event": "client_ready"},
         )
+
+    @property
+    def device_ids(self) -> list[int]:
+        return sorted(self.data)
 
     def _create_series(self, device: Device) -> None:
         """The device's budget gauge, and its tier's histogram series before their first observation
@@ -123,35 +170,109 @@ class Client(ServiceBase):
             for direction in ("down", "up"):
                 metrics.CLIENT_TRANSFER_SECONDS.labels(*labels, direction, clock)
 
-    def register(self) -> None:
-        """Announce the hosted devices; repeated every few seconds so a (re)started server learns them.
+    # -- the host: heartbeats, leases, device state ------------------------------------------------
+    def heartbeat(self) -> None:
+        """Tell the server what this host can do and holds (the first one is its join).
 
         Clients may not declare the server's queue (least privilege on the broker), so before the
-        server exists a registration is unroutable: that is expected, and retried soon.
+        server exists a heartbeat is unroutable: that is expected, and retried at the next tick.
         """
-        infos = [
-            DeviceInfo(
-                device_id=d,
-                tier=self.fleet[d].tier,
-                num_samples=len(self.data[d].y_train),
-                profile=self.fleet[d].profile.model_dump(mode="json"),
-            )
-            for d in self.device_ids
-        ]
-        self.last_register = time.time()
+        self.last_heartbeat = time.time()
+        beat = Heartbeat(
+            host_id=self.client_id,
+            capacity=self.capacity,
+            memory_bytes=self.memory_bytes,
+            pinned=self.pinned,
+            holding=self.device_ids,
+            epoch=self.epoch,
+            leaving=self.leaving,
+        )
         try:
-            self.send(KEY_SERVER, Kind.REGISTER, Register(client_id=self.client_id, devices=infos), round=0)
+            self.send(KEY_SERVER, Kind.HEARTBEAT, beat, round=0, inc=self.lease_inc, sender=self.client_id)
         except Unroutable:
-            self.log.info("no server yet; will register again", extra={"event": "register_retry"})
-            self.last_register -= REGISTER_EVERY_S - 1.0  # retry in a second
+            self.log.info("no server yet", extra={"event": "heartbeat_unroutable"})
 
     def tick(self) -> None:
-        if time.time() - self.last_register >= REGISTER_EVERY_S:
-            self.register()
+        if not self.idle and time.time() - self.last_heartbeat >= self.hosts_cfg.heartbeat_s:
+            self.heartbeat()
+
+    def terminate(self) -> None:
+        """SIGTERM: ask the server to take the devices back; exit once it has (a second SIGTERM, or
+        the server not answering within ``hosts.lease_timeout_s``, stops at once)."""
+        if self.leaving or self.idle:
+            self.stopped = True
+            return
+        self.leaving = True
+        self.log.info("leaving: handing the devices back", extra={"event": "host_leaving"})
+        self.heartbeat()
+
+    def on_lease(self, env: Envelope, msg: Lease, d: Delivery) -> None:
+        if msg.host_id != self.client_id:
+            self.reject(d, "misaddressed", f"lease for {msg.host_id} reached {self.client_id}")
+            return
+        newer = env.inc != self.lease_inc or msg.epoch > self.epoch
+        if newer:
+            self._apply_lease(set(msg.devices))
+            self.lease_inc, self.epoch = env.inc, msg.epoch
+        d.ack()
+        self.heartbeat()  # the acknowledgement: the server opens the next round once every host has
+        if self.leaving and not self.data:
+            self.log.info("left: every device handed back", extra={"event": "host_left"})
+            self.stopped = True
+
+    def _apply_lease(self, devices: set[int]) -> None:
+        """Serve exactly ``devices``: bind the new ones' task keys and load their data; unbind and
+        forget the others (their state is already with the server)."""
+        unknown = sorted(dev for dev in devices if dev not in self.fleet)
+        if unknown:
+            raise ValueError(f"lease names devices outside the fleet: {unknown[:5]}")
+        for dev in sorted(set(self.data) - devices):
+            self.transport.unbind(self.queue, key_task(dev))
+            del self.data[dev]
+            shutil.rmtree(self._device_dir(dev), ignore_errors=True)
+        for dev in sorted(devices - set(self.data)):
+            self.data[dev] = self.exp.device_data(dev)
+            self._create_series(self.fleet[dev])
+            self.transport.bind(self.queue, key_task(dev))
+        self.log.info(
+            "serving %d devices (lease %d)", len(self.data), self.epoch + 1, extra={"event": "lease_applied"}
+        )
+
+    def on_device_state(self, env: Envelope, msg: DeviceState, d: Delivery) -> None:
+        """A device's stored state, ahead of the lease that hands it the device: replaces its files."""
+        target = self._device_dir(msg.device_id)
+        shutil.rmtree(target, ignore_errors=True)
+        for name, data in msg.files.items():
+            atomic_write_bytes(target / name, data)
+        d.ack()
+
+    def _sync_state(self, dev: int) -> None:
+        """Send the device's files to the server (after every task it trains): whatever happens to
+        this host afterwards, the device continues from here."""
+        target = self._device_dir(dev)
+        if not target.is_dir():
+            return
+        files = {p.name: p.read_bytes() for p in sorted(target.iterdir()) if p.is_file()}
+        files = {k: v for k, v in files.items() if not k.endswith(".tmp")}
+        if files:
+            state = DeviceState(device_id=dev, files=files)
+            self.send(KEY_SERVER, Kind.DEVICE_STATE, state, round=0, sender=self.client_id)
+
+    def _device_dir(self, dev: int) -> Path:
+        return self.state_dir / f"device-{dev}"
 
     def on_stop(self, env: Envelope, msg: Any, d: Delivery) -> None:
         d.ack()
-        self.stopped = True
+        if self.on_stop_mode == "idle":
+            # a Kubernetes pod must not exit when the run ends (its controller would restart it):
+            # it stays up, serving /metrics, doing nothing more
+            for dev in self.device_ids:
+                self.transport.unbind(self.queue, key_task(dev))
+            self.data.clear()
+            self.idle = True
+            self.log.info("the experiment is over; idle", extra={"event": "client_idle"})
+        else:
+            self.stopped = True
 
     def _notify(self, env: Envelope, dev: int, body: Reject | Ready, kind: Kind) -> None:
         self.send(KEY_SERVER, kind, body, round=env.round, inc=env.inc, sender=f"device-{dev}")
@@ -174,6 +295,7 @@ class Client(ServiceBase):
             down_s = self._download(task, device, task_bytes)
             if not self._dropped_out(env, msg, device, task_bytes):
                 update, compute_s = self._train(env, task, device)
+                self._sync_state(dev)  # before the update: the server has it before the round ends
                 self._deliver(env, msg, update, device, task_bytes, down_s, compute_s)
         d.ack()
 
@@ -318,7 +440,7 @@ class Client(ServiceBase):
             device_id=dev,
             round=round,
             data=self.data[dev],
-            state_dir=self.state_dir / f"device-{dev}",
+            state_dir=self._device_dir(dev),
             seed=derive_seed(self.exp.cfg.seed, "train", round, dev) % (2**32),
             tier=self.fleet[dev].tier,
         )

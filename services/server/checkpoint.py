@@ -20,7 +20,6 @@ import numpy as np
 
 from shared.algorithms.base import ServerState
 from shared.algorithms.device_state import atomic_savez
-from shared.schemas import DeviceInfo
 
 log = logging.getLogger("fedfleet.server")
 
@@ -29,7 +28,6 @@ log = logging.getLogger("fedfleet.server")
 class Checkpoint:
     round: int
     state: ServerState
-    registry: dict[int, DeviceInfo]
     #: the run ledger's part (``RunLedger.to_checkpoint``)
     ledger: dict[str, Any]
 
@@ -43,7 +41,6 @@ def save(run_dir: Path, ckpt: Checkpoint) -> None:
     meta = {
         "round": ckpt.round,
         "state_meta": ckpt.state.meta,
-        "registry": {str(k): v.model_dump() for k, v in ckpt.registry.items()},
         **ckpt.ledger,
     }
     (tmp / "state.json").write_text(json.dumps(meta))
@@ -73,10 +70,7 @@ def load(run_dir: Path) -> Checkpoint | None:
     meta = json.loads((ckpt_dir / "state.json").read_text())
     with np.load(ckpt_dir / "state.npz", allow_pickle=False) as z:
         arrays = {k: z[k] for k in z.files}
-    registry = {int(k): DeviceInfo.model_validate(v) for k, v in meta.pop("registry").items()}
+    meta.pop("registry", None)  # written by checkpoints before the fleet was leased
     return Checkpoint(
-        round=int(meta.pop("round")),
-        state=ServerState(arrays, meta.pop("state_meta")),
-        registry=registry,
-        ledger=meta,
+        round=int(meta.pop("round")), state=ServerState(arrays, meta.pop("state_meta")), ledger=meta
     )

@@ -26,8 +26,10 @@ from shared.schemas import EvalResult, Ready, Receipt, Reject, RoundOpen
 class Phase(StrEnum):
     """What the server is doing; ``Server.tick`` runs the method of the current phase."""
 
-    #: waiting for enough devices to register
+    #: waiting for hosts to join and serve the fleet
     REGISTERING = "registering"
+    #: between rounds: waiting until every host applied its new lease
+    SETTLING = "settling"
     #: a round could not open (no aggregator listening); retried every ``FLUSH_RETRY_S``
     WAITING = "waiting"
     #: tasks sent; receipts, refusals and readies arrive

@@ -35,6 +35,7 @@ import numpy as np
 
 from services.common import MessageHandler, ServiceBase, decode_tensors, encode_tensors
 from services.server import checkpoint
+from services.server.leases import Leases
 from services.server.ledger import RoundOutcome, RunLedger
 from services.server.round import EvaluationState, Phase, RoundState
 from shared import metrics
@@ -45,6 +46,7 @@ from shared.experiment import Experiment
 from shared.schemas import Decision as DecisionMsg
 from shared.schemas import (
     DeviceInfo,
+    DeviceState,
     Envelope,
     EvalResult,
     Flush,
@@ -54,7 +56,6 @@ from shared.schemas import (
     MetricKey,
     Ready,
     Receipt,
-    Register,
     Reject,
     RoundOpen,
     RoundSummary,
@@ -103,8 +104,18 @@ class Server(ServiceBase):
         self.run_dir = run_dir
         self.flush_timeout_s = flush_timeout_s
         self.incarnation = uuid.uuid4().hex[:12]
-        self.registry: dict[int, DeviceInfo] = {}
+        #: every device of the fleet, as strategies plan for it (tier, samples, profile)
+        self.registry: dict[int, DeviceInfo] = self._device_infos(exp)
+        self.leases = Leases(
+            cfg.num_devices,
+            self._host_need(exp),
+            run_dir / "device-state",
+            lambda key, kind, body: self.send(key, kind, body, round=self.round, inc=self.incarnation),
+            experiment=experiment_id,
+            lease_timeout_s=cfg.hosts.lease_timeout_s,
+        )
         self.ledger = RunLedger(experiment_id, cfg.algorithm.name)
+        self.ledger.registered(self.registry)
         #: the number of the last round opened (0 before the first)
         self.round = 0
         self.phase = Phase.REGISTERING
@@ -118,6 +129,7 @@ class Server(ServiceBase):
         self.error: str | None = None
         self._phases: dict[Phase, Callable[[float], None]] = {
             Phase.REGISTERING: self._tick_registering,
+            Phase.SETTLING: self._tick_settling,
             Phase.WAITING: self._tick_waiting,
             Phase.OPEN: self._tick_open,
             Phase.FLUSHING: self._tick_flushing,
@@ -137,8 +149,8 @@ class Server(ServiceBase):
     def _handlers(self) -> dict[Kind, MessageHandler]:
         """What the server acts on, by message kind (anything else is dead-lettered)."""
         return {
-            Kind.REGISTER: self.on_register,
             Kind.HEARTBEAT: self.on_heartbeat,
+            Kind.DEVICE_STATE: self.on_device_state,
             Kind.RECEIPT: self.on_receipt,
             Kind.REJECT: self.on_reject,
             Kind.PARTIAL: self.on_partial,
@@ -169,28 +181,36 @@ class Server(ServiceBase):
         return emu.over_selection > 1 or emu.round_deadline_s is not None
 
     # -- handlers --------------------------------------------------------------------------------
-    def on_register(self, env: Envelope, msg: Register, d: Delivery) -> None:
-        new = 0
-        for info in msg.devices:
-            if info.device_id >= self.cfg.num_devices:
-                self.log.warning(
-                    "ignoring device %d outside the fleet", info.device_id, extra={"event": "register"}
-                )
-                continue
-            new += info.device_id not in self.registry
-            self.registry[info.device_id] = info
-        if new:
-            self.ledger.registered(self.registry)
-            self.log.info(
-                "%d devices registered by %s (%d known)",
-                new,
-                msg.client_id,
-                len(self.registry),
-                extra={"event": "register"},
+    @staticmethod
+    def _device_infos(exp: Experiment) -> dict[int, DeviceInfo]:
+        """What every device is, from the experiment every process builds identically."""
+        return {
+            d.device_id: DeviceInfo(
+                device_id=d.device_id,
+                tier=d.tier,
+                num_samples=len(exp.partitions[d.device_id]),
+                profile=d.profile.model_dump(mode="json"),
             )
-        d.ack()
+            for d in exp.fleet
+        }
+
+    @staticmethod
+    def _host_need(exp: Experiment) -> dict[int, int]:
+        """Memory a device's largest task may take on its host: its budget, at most the full model
+        (admission refuses anything above the budget, and no task is larger than the full model)."""
+        full = exp.full_footprint_bytes
+        return {d.device_id: min(d.profile.memory_bytes, full) for d in exp.fleet}
 
     def on_heartbeat(self, env: Envelope, msg: Heartbeat, d: Delivery) -> None:
+        # an epoch is only meaningful in the incarnation that issued it (a restart starts over)
+        epoch = msg.epoch if env.inc == self.incarnation else -1
+        self.leases.heartbeat(msg, epoch, time.time())
+        d.ack()
+
+    def on_device_state(self, env: Envelope, msg: DeviceState, d: Delivery) -> None:
+        if not self.leases.device_state(env.sender, msg):
+            self.reject(d, "not-leased", f"{env.sender} does not hold device {msg.device_id}")
+            return
         d.ack()
 
     def _open(self, env: Envelope) -> RoundState | None:
@@ -282,31 +302,55 @@ class Server(ServiceBase):
 
     # -- timers: one method per phase ------------------------------------------------------------
     def tick(self) -> None:
+        now = time.time()
+        self._check_hosts(now)
         run = self._phases.get(self.phase)
         if run is not None:
-            run(time.time())
+            run(now)
+
+    def _check_hosts(self, now: float) -> None:
+        """Expire silent hosts. An open round stops waiting for a lost host's devices: they count as
+        answered (silent) at once; their leases go to other hosts before the next round."""
+        for host in self.leases.expire(now):
+            rs = self.rs
+            if rs is None or self.phase not in (Phase.OPEN, Phase.FLUSHING):
+                continue
+            for dev in sorted(host.devices):
+                if rs.is_selected(dev) and dev not in rs.receipts:
+                    rs.discarded.setdefault(dev, "host-lost")
 
     def _tick_registering(self, now: float) -> None:
-        n, wanted = len(self.registry), self.cfg.num_devices
-        if n >= wanted:
+        """Lease the fleet to the hosts that join; start once every device is served (and no host
+        joined for a moment, so the first round does not go to whoever came first), or at the
+        registration deadline with at least a round's worth of devices."""
+        settled = self.leases.settle()
+        served, wanted = len(self.leases.table.available()), self.cfg.num_devices
+        quiet = now - self.leases.table.last_join >= self.cfg.hosts.join_quiet_s
+        if settled and served >= wanted and quiet:
             self._next()
         elif now > self.registration_deadline:
-            if n >= self.cfg.devices_per_round:
+            if served >= self.cfg.devices_per_round and settled:
                 self.log.warning(
-                    "starting with %d of %d devices registered",
-                    n,
+                    "starting with %d of %d devices served by a host",
+                    served,
                     wanted,
                     extra={"event": "registration_timeout"},
                 )
                 self._next()
                 return
             self.error = (
-                f"only {n} of {wanted} devices registered within {self.cfg.registration_timeout_s:.0f}s "
-                f"(need at least {self.cfg.devices_per_round}); "
+                f"only {served} of {wanted} devices were served by a client host within "
+                f"{self.cfg.registration_timeout_s:.0f}s (need at least {self.cfg.devices_per_round}); "
                 "are the client processes running and pointed at the same broker and experiment?"
             )
             self.log.error(self.error, extra={"event": "registration_failed"})
             self.stopped = True
+
+    def _tick_settling(self, now: float) -> None:
+        """Between rounds: wait until every host applied its lease (hosts that die meanwhile expire)."""
+        if self.leases.settle():
+            self.phase = Phase.BETWEEN
+            self._next()
 
     def _tick_waiting(self, now: float) -> None:
         if now - self.last_retry >= FLUSH_RETRY_S:
@@ -371,7 +415,7 @@ class Server(ServiceBase):
         """
         rng = np.random.default_rng(derive_seed(self.cfg.seed, "select", round) % (2**32))
         fleet = self.exp.fleet
-        registered = sorted(self.registry)
+        registered = self.leases.table.available()
         online = [d for d in registered if is_online(fleet[d], round, self.cfg.seed)]
         picked = over_select(online, self.cfg.devices_per_round, self.cfg.emulation.over_selection, rng)
         return sorted(int(x) for x in picked), len(registered) - len(online)
@@ -590,7 +634,15 @@ class Server(ServiceBase):
         return {k: sums[k] / weights[k] for k in sums if weights[k] > 0}
 
     def _next(self) -> None:
-        """Open the next round, or — after the last — evaluate every device (personalised) or finish."""
+        """Open the next round, or — after the last — evaluate every device (personalised) or finish.
+
+        Hosts that joined, left or died since the last round get their new leases first: the round
+        opens only once every lease is applied (``Phase.SETTLING``), so its tasks reach bound queues.
+        """
+        more = self.round < self.cfg.rounds or self.strategy.personalised
+        if more and not self.leases.settle():
+            self.phase = Phase.SETTLING
+            return
         if self.round < self.cfg.rounds:
             self._open_round()
         elif self.strategy.personalised:
@@ -604,7 +656,7 @@ class Server(ServiceBase):
         The papers report the mean over all devices; a round's participants are only a sample. The
         evaluation messages are their own kind, so their bytes never mix with training traffic.
         """
-        devices = sorted(self.registry)
+        devices = self.leases.table.available()
         tasks = self.strategy.plan_evaluation(self.state, devices, self.registry)
         key = secrets.token_hex(16)
         batch = self._encode_tasks(Kind.EVALUATE, tasks, devices, key)
@@ -655,14 +707,14 @@ class Server(ServiceBase):
         )
 
     def _save_checkpoint(self) -> None:
-        ckpt = checkpoint.Checkpoint(self.round, self.state, self.registry, self.ledger.to_checkpoint())
+        ckpt = checkpoint.Checkpoint(self.round, self.state, self.ledger.to_checkpoint())
         checkpoint.save(self.run_dir, ckpt)
 
     def _resume(self) -> bool:
         ckpt = checkpoint.load(self.run_dir)
         if ckpt is None:
             return False
-        self.state, self.round, self.registry = ckpt.state, ckpt.round, ckpt.registry
+        self.state, self.round = ckpt.state, ckpt.round
         self.ledger.restore(ckpt.ledger)
         self.log.info(
             "resuming after round %d from %s",

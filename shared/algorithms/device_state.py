@@ -36,6 +36,11 @@ def _atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> None:
     os.replace(tmp, path)
 
 
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (see ``_atomic_write``)."""
+    _atomic_write(path, lambda f: f.write(data))
+
+
 def atomic_savez(path: Path, arrays: dict[str, np.ndarray]) -> None:
     """Write an ``.npz`` atomically (see ``_atomic_write``)."""
     _atomic_write(path, lambda f: np.savez(f, **arrays))  # type: ignore[arg-type]

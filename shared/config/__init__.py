@@ -143,6 +143,34 @@ class ProcessConfig(_Strict):
     max_message_bytes: int = Field(256 * 1024 * 1024, ge=1024)
 
 
+class HostsConfig(_Strict):
+    """How client processes (hosts) stay in touch with the server (see docs/architecture.md, "Hosts
+    and leases").
+
+    A host heartbeats every ``heartbeat_s``; one silent for ``lease_timeout_s`` is taken for dead: its
+    devices leave selection at once, an open round stops waiting for them, and they are leased to
+    other hosts before the next round. A shorter timeout notices a crash sooner; it must stay well
+    above ``heartbeat_s`` plus the longest pause of a busy host (one task's training).
+    """
+
+    #: seconds between a host's heartbeats
+    heartbeat_s: float = Field(1.0, gt=0)
+    #: seconds without a heartbeat after which a host's leases expire
+    lease_timeout_s: float = Field(10.0, gt=0)
+    #: the first round waits until no host joined for this long (so it does not go to whichever
+    #: host started first; later joins are balanced in between rounds anyway)
+    join_quiet_s: float = Field(1.0, ge=0)
+
+    @model_validator(mode="after")
+    def _check_timeout(self) -> HostsConfig:
+        if self.lease_timeout_s < 2 * self.heartbeat_s:
+            raise ValueError(
+                f"lease_timeout_s ({self.lease_timeout_s}) must be at least twice heartbeat_s "
+                f"({self.heartbeat_s}): one late heartbeat would expire a live host"
+            )
+        return self
+
+
 class EmulationConfig(_Strict):
     """How device time is emulated (see docs/fleets.md, "Time modes")."""
 
@@ -183,6 +211,7 @@ class ExperimentConfig(_Strict):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     processes: ProcessConfig = Field(default_factory=ProcessConfig)
+    hosts: HostsConfig = Field(default_factory=HostsConfig)
     #: device fleet (profiles, budgets; see docs/fleets.md); None = the ``uniform`` preset
     fleet: dict[str, Any] | None = None
     emulation: EmulationConfig = Field(default_factory=EmulationConfig)
@@ -281,3 +310,6 @@ class Settings(BaseSettings):
     log_level: str = "INFO"
     #: seconds a service keeps serving /metrics after it finished (a last scrape sees final counts)
     linger_s: float = 0.0
+    #: what a client host does when the experiment ends: ``exit`` (0), or ``idle`` (stay up doing
+    #: nothing: a Kubernetes Deployment would restart a pod that exits)
+    on_stop: Literal["exit", "idle"] = "exit"

@@ -24,6 +24,7 @@ from shared.config import (
     DatasetConfig,
     EmulationConfig,
     ExperimentConfig,
+    HostsConfig,
     ModelConfig,
     ProcessConfig,
     TrainConfig,
@@ -36,6 +37,7 @@ SECTIONS: tuple[tuple[str, type[BaseModel]], ...] = (
     ("algorithm", AlgorithmConfig),
     ("train", TrainConfig),
     ("processes", ProcessConfig),
+    ("hosts", HostsConfig),
     ("emulation", EmulationConfig),
 )
 

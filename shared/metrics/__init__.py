@@ -121,6 +121,15 @@ DROPOUTS = Counter(
     "Selected devices that did not deliver an update in time, by reason (offline, dropped, deadline).",
     (*TIER_LABELS, "reason"),
 )
+HOSTS = Gauge("fedfleet_hosts", "Client processes (hosts) the server knows as alive.", ("experiment",))
+HOSTED_DEVICES = Gauge(
+    "fedfleet_hosted_devices", "Devices leased to a host (the rest cannot be selected).", ("experiment",)
+)
+HOSTS_LOST = Counter(
+    "fedfleet_hosts_lost_total",
+    "Hosts whose lease expired (no heartbeat for hosts.lease_timeout_s): crashed or cut off.",
+    ("experiment",),
+)
 REGISTERED_DEVICES = Gauge(
     "fedfleet_registered_devices", "Devices known to the server.", ("experiment", "tier")
 )

@@ -24,12 +24,15 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from shared import codec
 
 #: Bump when a message changes incompatibly; receivers dead-letter other versions.
-SCHEMA_VERSION = 1
+#: 2: client processes are hosts that lease devices (``heartbeat``, ``lease``, ``device_state``
+#: replace ``register``).
+SCHEMA_VERSION = 2
 
 
 class Kind(StrEnum):
-    REGISTER = "register"
     HEARTBEAT = "heartbeat"
+    LEASE = "lease"
+    DEVICE_STATE = "device_state"
     ROUND_OPEN = "round_open"
     TASK = "task"
     UPDATE = "update"
@@ -110,16 +113,54 @@ class DeviceInfo(_Body):
     profile: dict[str, Any] = Field(default_factory=dict)
 
 
-class Register(_Body):
-    """A client process announces the devices it hosts (also re-sent periodically as a heartbeat)."""
-
-    client_id: str
-    devices: list[DeviceInfo]
+#: A host's identity: printable, short, usable in a routing key and a queue name.
+HostId = Annotated[str, Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")]
 
 
 class Heartbeat(_Body):
-    client_id: str
+    """Client host → server, every ``hosts.heartbeat_s``: I am alive, this is what I can host and
+    hold. The first one is the host's join; one with ``epoch`` set acknowledges that lease; one with
+    ``leaving`` asks to hand its devices back (SIGTERM)."""
+
+    host_id: HostId
+    #: most devices the host may be given (None: no limit of its own)
+    capacity: int | None = Field(None, ge=0)
+    #: memory the host has for training a task (None: unknown); devices whose task could need more
+    #: are not leased to it
+    memory_bytes: int | None = Field(None, ge=0)
+    #: ``--devices``: the exact devices this host serves (reproducible placement); None = any
+    pinned: list[int] | None = None
+    #: the devices the host holds now (after a server restart: placement is kept where it can be)
+    holding: list[int] = Field(default_factory=list, max_length=1_000_000)
+    #: the newest lease epoch the host has applied (-1: none)
+    epoch: int = Field(-1, ge=-1)
+    leaving: bool = False
+
+
+class Lease(_Body):
+    """Server → one host: the complete set of devices it now serves (bind their tasks, load their
+    data), as of ``epoch``; devices it held and are not listed go back. Answered by a heartbeat
+    carrying the epoch."""
+
+    host_id: HostId
+    epoch: int = Field(ge=0)
     devices: list[int]
+
+
+#: A device-state file name: one flat name, no paths.
+StateFileName = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")]
+
+
+class DeviceState(_Body):
+    """A device's private state (personal model, masks, counters) as its files.
+
+    Host → server after every task the device trains (the server keeps the newest copy, so a
+    device that moves to another host, or whose host dies, continues from its last finished task);
+    server → host when the device is leased to it, before the lease itself.
+    """
+
+    device_id: int = Field(ge=0)
+    files: dict[StateFileName, bytes] = Field(default_factory=dict, max_length=1024)
 
 
 class RoundOpen(_Body):
@@ -258,8 +299,9 @@ class Stop(_Body):
 
 
 BODY_MODELS: dict[Kind, type[_Body]] = {
-    Kind.REGISTER: Register,
     Kind.HEARTBEAT: Heartbeat,
+    Kind.LEASE: Lease,
+    Kind.DEVICE_STATE: DeviceState,
     Kind.ROUND_OPEN: RoundOpen,
     Kind.TASK: Task,
     Kind.UPDATE: Update,

@@ -11,6 +11,7 @@ from shared.transport.base import (
     Transport,
     Unroutable,
     key_aggregator,
+    key_host,
     key_task,
     names,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "Transport",
     "Unroutable",
     "key_aggregator",
+    "key_host",
     "key_task",
     "names",
 ]

@@ -169,6 +169,12 @@ class AmqpTransport(Transport):
     def bind(self, queue: str, key: str) -> None:
         self.declare_queue(queue, [key])
 
+    def unbind(self, queue: str, key: str) -> None:
+        keys = self._queues.get(queue, [])
+        if key in keys:
+            keys.remove(key)  # a reconnect re-declares the queue without it
+        self._with_reconnect(lambda: self.channel.queue_unbind(queue, self.names.exchange, routing_key=key))
+
     # -- publishing ------------------------------------------------------------------------------
     def publish(self, key: str, body: bytes, headers: dict[str, Any] | None = None) -> None:
         props = BasicProperties(delivery_mode=2, headers=headers or None)

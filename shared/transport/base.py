@@ -68,6 +68,11 @@ def key_aggregator(agg_id: str) -> str:
     return f"agg.{agg_id}"
 
 
+def key_host(host_id: str) -> str:
+    """A client host's own key: its device leases and the device state it is handed."""
+    return f"host.{host_id}"
+
+
 @dataclass
 class Delivery:
     """One received message. ``ack``/``nack`` are bound to the channel it came from."""
@@ -116,6 +121,10 @@ class Transport(ABC):
 
     @abstractmethod
     def bind(self, queue: str, key: str) -> None: ...
+
+    @abstractmethod
+    def unbind(self, queue: str, key: str) -> None:
+        """Stop routing ``key`` to ``queue`` (a device that moved to another host)."""
 
     @abstractmethod
     def publish(self, key: str, body: bytes, headers: dict[str, Any] | None = None) -> None:

@@ -73,6 +73,9 @@ class InprocTransport(Transport):
         self.broker.queues.setdefault(queue, deque())
         self.broker.bindings[key].add(queue)
 
+    def unbind(self, queue: str, key: str) -> None:
+        self.broker.bindings.get(key, set()).discard(queue)
+
     def publish(self, key: str, body: bytes, headers: dict[str, Any] | None = None) -> None:
         self.broker.route(key, _Msg(bytes(body), key, dict(headers or {})))
 
