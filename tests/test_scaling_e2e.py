@@ -1,39 +1,39 @@
-"""Scaling the client processes of a running experiment, the way ``make scale CLIENTS=n`` does.
+"""Scaling the client hosts of a running experiment, the way ``make scale CLIENTS=n`` does.
 
-Issue 6, "scaling semantics": client replicas added mid-experiment register their devices and can be
-selected from the next round; replicas removed mid-round are handled by the deadline and the quorum;
-the server never waits forever on a device that is gone. Kubernetes does nothing more than start or
-kill client processes, so this test does exactly that with OS processes over the local RabbitMQ:
+Client processes are interchangeable hosts: started with no device arguments, they are leased a
+share of the fleet by the server. Kubernetes does nothing more than start processes, SIGTERM them
+(a scale-down) or lose them (a crashed node), so this test does exactly that with OS processes over
+the local RabbitMQ, running SpaFL so that every device carries personal state:
 
-1. the run starts with two client processes (6 of the fleet's 8 devices); the server waits
-   ``registration_timeout_s`` for the other two, then starts with the 6 it has;
-2. a third client process (devices 6-7) is started after round 1 has opened;
-3. one of the first two is SIGKILLed as soon as the last round opens, while its devices are still
-   computing; they never answer, the round closes at its deadline with the quorum, the run finishes.
+* **scale up, then down:** two hosts start; a third joins around round 5; one of the first two gets
+  SIGTERM around round 10, hands its devices back and exits 0. The run ends with the same global
+  model and the same personal state for every device as the same run without scaling (the
+  in-process run, which the contract suite holds equal to a run over RabbitMQ).
+* **a crash:** the same, with SIGKILL instead of SIGTERM. The run finishes, no round after the kill
+  waits for its deadline, and every device is selected again after the kill (its lease expired and
+  went to the surviving hosts, with its state).
 
-Rounds are paced in wall time by the fleet (``time_mode: real``, about a second of emulated compute
-per task), so the run is still going when the third process — which needs many seconds just to start
-on a busy machine — registers, and so the kill lands while the killed client's devices are mid-task.
-Only the last round waits for its deadline, which keeps the test short; that a killed client's
-devices cost every later round its deadline is test_e2e_amqp's SIGKILL test.
-
-Which devices the server selected in each round is read off the broker by a spy queue bound to every
-device's task key (a task's envelope names its round), so "selected from the next round" is
-checked round by round, not inferred from totals.
+Rounds are paced in wall time by the fleet (``time_mode: real``, about 0.3 s of emulated compute
+per task), so the run is still going when a new process — which needs seconds just to start —
+joins. Which devices each round selected is read off the broker by a spy queue bound to every
+device's task key.
 """
 
 from __future__ import annotations
 
-import csv
 import json
+import signal
 import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pika
 import pytest
 
 from services.orchestrator import ServiceProcess as Proc
+from services.orchestrator import run_inproc
+from shared.config import load_config
 from shared.schemas import Task, decode
 from shared.transport import key_task
 from shared.transport.amqp import AmqpTransport
@@ -42,26 +42,35 @@ from tests.conftest import read_rounds, wait_for, write_config
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
 RUN_TIMEOUT = 300.0
-ROUNDS = 10
+ROUNDS = 14
 NUM_DEVICES = 8
-#: Six of eight devices per round. With seed 1 every draw over all eight devices (rounds 2-15) includes
-#: device 6 or 7 and one of 3-5, so whichever round the third client joins in, the next one selects
-#: its devices, and the last round selects the killed client's; a draw without 6 and 7 happens 1 time
-#: in 28, which is why the seed is pinned.
-DEVICES_PER_ROUND = 6
-SEED = 1
-#: long enough for a client's first task (torch's first backward can take over 10 s on a loaded
-#: machine); only the round with the killed client waits for it
-ROUND_TIMEOUT_S = 20
-#: about 1 s of emulated compute per task (2.02 MFLOP per task of this workload), slept in real mode
-FLEET = {"preset": "uniform", "overrides": {"default": {"flops_per_s": "2MFLOP/s"}}}
-FIRST, SECOND, THIRD = "0-2", "3-5", "6-7"
-THIRD_DEVICES = {6, 7}
-SECOND_DEVICES = {3, 4, 5}
+#: the round's deadline in wall time: only a round a killed host's devices were in may wait for it
+ROUND_TIMEOUT_S = 60
+LEASE_TIMEOUT_S = 3.0
+#: about 0.3 s of emulated compute per task, slept in real mode
+FLEET = {"preset": "uniform", "overrides": {"default": {"flops_per_s": "8MFLOP/s"}}}
+
+
+def _config(tmp_path: Path, devices_per_round: int) -> Path:
+    return write_config(
+        tmp_path / "c.yaml",
+        seed=2,
+        rounds=ROUNDS,
+        num_devices=NUM_DEVICES,
+        devices_per_round=devices_per_round,
+        round_timeout_s=ROUND_TIMEOUT_S,
+        quorum_fraction=0.25,
+        dataset={"name": "digits", "partition": "iid", "train_limit": 800, "local_test_fraction": 0.25},
+        algorithm={"name": "spafl"},
+        train={"local_epochs": 1, "batch_size": 16, "lr": 0.1},
+        fleet=FLEET,
+        emulation={"time_mode": "real", "time_factor": 1.0},
+        hosts={"heartbeat_s": 0.5, "lease_timeout_s": LEASE_TIMEOUT_S, "join_quiet_s": 0.5},
+    )
 
 
 def _events(proc: Proc) -> list[dict[str, Any]]:
-    """The server's structured log lines (one JSON object per line; anything else is skipped)."""
+    """A service's structured log lines (one JSON object per line; anything else is skipped)."""
     out = []
     for line in proc.text().splitlines():
         if line.startswith("{"):
@@ -91,16 +100,21 @@ def _wait(predicate: Any, what: str, procs: list[Proc], alive: list[Proc]) -> No
     wait_for(done, RUN_TIMEOUT, what, interval=0.05)
 
 
-def _drain_spy(url: str, queue: str, keep: bool) -> dict[int, set[int]]:
-    """Empty and delete the spy queue; with ``keep``: round → devices the server sent a task to.
+def _spy(url: str, experiment: str) -> str:
+    spy = AmqpTransport(url, experiment)
+    queue = spy.names.client_queue("spy")
+    spy.declare_queue(queue, [key_task(d) for d in range(NUM_DEVICES)])
+    spy.close()
+    return queue
 
-    A fresh connection: an AMQP connection left idle through a two-minute run would miss heartbeats.
-    """
+
+def _drain_spy(url: str, queue: str) -> dict[int, set[int]]:
+    """Empty and delete the spy queue: round → devices the server sent a task to."""
     out: dict[int, set[int]] = {}
     conn = pika.BlockingConnection(pika.URLParameters(url))
     try:
         ch = conn.channel()
-        while keep:
+        while True:
             method, _props, body = ch.basic_get(queue, auto_ack=True)
             if method is None:
                 break
@@ -113,105 +127,103 @@ def _drain_spy(url: str, queue: str, keep: bool) -> dict[int, set[int]]:
     return out
 
 
-def test_add_a_client_mid_run_and_kill_one_mid_round(cluster: Any, tmp_path: Path) -> None:
-    """``make scale`` up then down, as processes: see the module docstring for the scenario."""
-    config = write_config(
-        tmp_path / "c.yaml",
-        seed=SEED,
-        rounds=ROUNDS,
-        num_devices=NUM_DEVICES,
-        devices_per_round=DEVICES_PER_ROUND,
-        round_timeout_s=ROUND_TIMEOUT_S,
-        quorum_fraction=0.15,  # one update is a quorum: the kill must cost time, not rounds
-        registration_timeout_s=6,
-        fleet=FLEET,
-        emulation={"time_mode": "real", "time_factor": 1.0},
+def _arrays(path: Path) -> dict[str, np.ndarray]:
+    with np.load(path, allow_pickle=False) as z:
+        return {k: z[k] for k in z.files}
+
+
+def _max_diff(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
+    assert a.keys() == b.keys()
+    return max(float(np.max(np.abs(a[k].astype(np.float64) - b[k]))) for k in a if a[k].size)
+
+
+def _scale(c: Any, signum: int) -> tuple[Proc, Proc, Proc, Proc, dict[str, int]]:
+    """Two hosts, a third around round 5, ``signum`` to one of the first two around round 10."""
+    agg = c.aggregator("agg-0")
+    first, second = c.client("c0"), c.client("c1")
+    server = c.server()
+    _wait(lambda: _count(server, "round_open") >= 4, "round 4", c.procs, [server, agg, first, second])
+    third = c.client("c2")  # scale up: a new process, mid-run; it starts in a few seconds
+    _wait(
+        lambda: any("host c2 joined" in e.get("msg", "") for e in _events(server)),
+        "the third host to join",
+        c.procs,
+        [server, agg, first, second, third],
     )
+    joined = _count(server, "round_open")
+    _wait(lambda: _count(server, "round_open") >= 10, "round 10", c.procs, [server, agg, first, third])
+    signalled = _count(server, "round_open")
+    second.p.send_signal(signum)  # scale down (SIGTERM) or a crash (SIGKILL), mid-round
+    return server, first, second, third, {"joined": joined, "signalled": signalled}
+
+
+def test_hosts_join_and_leave_mid_run_and_nothing_changes(cluster: Any, tmp_path: Path) -> None:
+    config = _config(tmp_path, devices_per_round=4)
     c = cluster(config)
-    spy = AmqpTransport(c.url, c.experiment_id)
-    spy_queue = spy.names.client_queue("spy")
-    spy.declare_queue(spy_queue, [key_task(d) for d in range(NUM_DEVICES)])
-    spy.close()
-    tasks: dict[int, set[int]] = {}
+    spy = _spy(c.url, c.experiment_id)
     try:
-        agg = c.aggregator("agg-0")
-        first = c.client("c0", FIRST)
-        second = c.client("c1", SECOND)
-        # The clients are up (and retrying registration) before the server starts, so the
-        # registration timeout is about the third client only, not about slow process start-up.
-        _wait(
-            lambda: all('"client_ready"' in p.text() for p in (first, second)),
-            "the first two clients",
-            c.procs,
-            [agg, first, second],
-        )
-        server = c.server()
-        _wait(lambda: _count(server, "round_open") >= 1, "round 1", c.procs, [server, first, second])
-
-        third = c.client("c2", THIRD)  # scale up: a new process, mid-run
-        last_round = lambda: _count(server, "round_open") >= ROUNDS  # noqa: E731
-        _wait(last_round, "the last round", c.procs, [server, first, second, third])
-        second.kill()  # scale down, mid-round: no goodbye; its durable queue keeps its tasks
-        killed_at = time.time()
-
-        rc = server.p.wait(RUN_TIMEOUT)
-        assert rc == 0, f"server exited with {rc}:\n{server.text()[-3000:]}"
-        tasks = _drain_spy(c.url, spy_queue, keep=True)
+        server, first, second, third, at = _scale(c, signal.SIGTERM)
+        assert second.p.wait(RUN_TIMEOUT) == 0, second.text()[-3000:]  # handed back, then exit 0
+        assert server.p.wait(RUN_TIMEOUT) == 0, server.text()[-3000:]
     finally:
-        if not tasks:
-            _drain_spy(c.url, spy_queue, keep=False)
-
-    events = _events(server)
-    rows = read_rounds(c.run_dir)
-    summary = json.loads((c.run_dir / "summary.json").read_text())
-    with (c.run_dir / "devices.csv").open() as f:
-        devices = {int(d["device_id"]): d for d in csv.DictReader(f)}
-
-    # -- the run finished: every round closed, none waited forever ---------------------------------
-    assert summary["rounds"] == ROUNDS and len(rows) == ROUNDS
-    assert any(e.get("event") == "registration_timeout" for e in events), (
-        "the server should have started with the first two clients' 6 devices"
-    )
-    for survivor in (first, third, agg):  # the stop broadcast reaches every process still running
+        tasks = _drain_spy(c.url, spy)
+    for survivor in (first, third):  # the stop broadcast reaches every host still running
         assert survivor.p.wait(60) == 0, survivor.text()[-2000:]
-
-    # -- scale up: the third client's devices are selected from the round after they registered ----
-    opened = 0
-    joined_in = None
-    for e in events:
+    assert 4 <= at["joined"] < at["signalled"] < ROUNDS, at
+    # the leaving host kept serving its devices until their leases moved, between two rounds
+    assert any(e.get("event") == "host_leaving" for e in _events(second))
+    assert any(e.get("event") == "host_left" for e in _events(second)), second.text()[-2000:]
+    opened, released_after = 0, None
+    for e in _events(server):
         if e.get("event") == "round_open":
             opened = e["round"]
-        elif e.get("event") == "register" and "registered by c2" in e["msg"]:
-            joined_in = opened
-            break
-    assert joined_in is not None, "the third client never registered"
-    assert 1 <= joined_in < ROUNDS - 1, (
-        f"c2 registered during round {joined_in} of {ROUNDS}: too late to see it take part"
+        elif e.get("event") == "lease" and "host c1 serves 0 devices" in e["msg"]:
+            released_after = opened
+    assert released_after is not None and at["signalled"] <= released_after <= at["signalled"] + 1, (
+        f"c1's devices went back after round {released_after}; it was signalled in round {at['signalled']}"
     )
-    assert set(tasks) == set(range(1, ROUNDS + 1)), f"the spy saw tasks for rounds {sorted(tasks)}"
-    for rnd in range(1, joined_in + 1):
-        assert not tasks[rnd] & THIRD_DEVICES, f"round {rnd} selected devices not yet registered"
-    assert tasks[joined_in + 1] & THIRD_DEVICES, (
-        f"round {joined_in + 1} (the first after c2 registered) selected {sorted(tasks[joined_in + 1])}; "
-        "with the pinned seed every draw over 8 devices includes 6 or 7 — has selection changed?"
-    )
-    for dev in THIRD_DEVICES:  # devices.csv agrees with what crossed the broker
-        assert int(devices[dev]["selected"]) == sum(dev in sel for sel in tasks.values())
-    assert sum(int(devices[d]["completed"]) for d in THIRD_DEVICES) >= 1, (
-        "the third client's devices were selected but never took part in a round"
-    )
+    leases = [e["msg"] for e in _events(server) if e.get("event") == "lease"]
+    assert any("host c2 serves" in m and "serves 0 devices" not in m for m in leases), leases
+    rows = read_rounds(c.run_dir)
+    assert [r["outcome"] for r in rows] == ["completed"] * ROUNDS
+    assert all(int(r["participants"]) == 4 for r in rows)
+    assert set(tasks) == set(range(1, ROUNDS + 1))
 
-    # -- scale down: the round open at the kill closed at its deadline, with the quorum -----------
-    open_ts = {e["round"]: e["ts"] for e in events if e.get("event") == "round_open"}
-    done_ts = {e["round"]: e["ts"] for e in events if e.get("event") == "round_done"}
-    assert open_ts[ROUNDS] <= killed_at < done_ts[ROUNDS], "c1 was not killed while the last round was open"
-    killed_devices = tasks[ROUNDS] & SECOND_DEVICES
-    assert killed_devices, f"the last round did not select the killed client's devices {SECOND_DEVICES}"
-    last = rows[-1]
-    assert last["outcome"] == "completed", last
-    assert int(last["dropped"]) >= 1 and int(last["participants"]) >= 1, last
-    assert float(last["round_seconds"]) >= ROUND_TIMEOUT_S, (
-        f"the last round closed after {last['round_seconds']} s, before its {ROUND_TIMEOUT_S} s deadline, "
-        "although the killed client's devices could not answer"
-    )
-    assert sum(int(devices[d]["dropped"]) for d in SECOND_DEVICES) >= 1
+    # the same run without any scaling, in one process: the same global model and personal states
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    assert run_inproc(load_config(config), reference, f"ref-{c.experiment_id}", show_progress=False) == 0
+    assert _max_diff(_arrays(c.run_dir / "global_model.npz"), _arrays(reference / "global_model.npz")) <= 1e-6
+    ours = sorted(p.relative_to(c.run_dir) for p in (c.run_dir / "device-state").rglob("*.npz"))
+    theirs = sorted(p.relative_to(reference) for p in (reference / "device-state").rglob("*.npz"))
+    assert ours == theirs and len(ours) >= NUM_DEVICES, (ours, theirs)
+    for rel in ours:
+        assert _max_diff(_arrays(c.run_dir / rel), _arrays(reference / rel)) <= 1e-6, rel
+
+
+def test_a_killed_host_costs_one_round_at_most_and_its_devices_come_back(
+    cluster: Any, tmp_path: Path
+) -> None:
+    config = _config(tmp_path, devices_per_round=NUM_DEVICES)  # every device, every round
+    c = cluster(config)
+    spy = _spy(c.url, c.experiment_id)
+    try:
+        server, *_ = _scale(c, signal.SIGKILL)
+        killed_at = time.time()
+        assert server.p.wait(RUN_TIMEOUT) == 0, server.text()[-3000:]
+    finally:
+        tasks = _drain_spy(c.url, spy)
+    rows = read_rounds(c.run_dir)
+    assert len(rows) == ROUNDS and all(r["outcome"] == "completed" for r in rows)
+    lost = [e for e in _events(server) if e.get("event") == "host_lost"]
+    assert len(lost) == 1 and "c1" in lost[0]["msg"], lost
+    open_ts = {e["round"]: e["ts"] for e in _events(server) if e.get("event") == "round_open"}
+    after = [r for r in rows if open_ts[int(r["round"])] > killed_at]
+    assert len(after) >= 2, f"the kill came too late: rounds after it {[r['round'] for r in after]}"
+    # the round that was open at the kill waited for the lease to expire, not for its deadline;
+    # every later round is as quick as any
+    for r in rows:
+        assert float(r["round_seconds"]) < ROUND_TIMEOUT_S / 2, r
+    for r in after:
+        assert int(r["participants"]) == NUM_DEVICES, r  # every device, its lease re-granted
+        assert tasks[int(r["round"])] == set(range(NUM_DEVICES)), (r["round"], tasks[int(r["round"])])

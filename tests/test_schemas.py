@@ -11,8 +11,8 @@ from shared import codec
 from shared.schemas import (
     BODY_MODELS,
     DecodeError,
-    Kind,
     Heartbeat,
+    Kind,
     Partial,
     Update,
     decode,

@@ -17,7 +17,6 @@ not bound yet.
 
 from __future__ import annotations
 
-import math
 import shutil
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -156,25 +155,47 @@ class HostTable:
             want[hid].add(d)
         free_hosts = [h for h in live if h.pinned is None]
         pool = [d for d in self.all_devices if d not in pinned_by]
-        share = math.ceil(len(pool) / len(free_hosts)) if free_hosts else 0
-        limit = {h.host_id: min(share, h.capacity if h.capacity is not None else share) for h in free_hosts}
+        target = self._targets(free_hosts, pool)
         orphans: list[int] = []
-        for d in pool:  # keep a device where it is while its host is under its share
+        for d in pool:  # keep a device where it is while its host is under its target
             holder = self.hosts.get(self.lease.get(d, ""))
-            keep = holder is not None and holder.host_id in limit and self._fits(holder, d)
-            if holder is not None and keep and len(want[holder.host_id]) < limit[holder.host_id]:
+            keep = holder is not None and holder.host_id in target and self._fits(holder, d)
+            if holder is not None and keep and len(want[holder.host_id]) < target[holder.host_id]:
                 want[holder.host_id].add(d)
             else:
                 orphans.append(d)
         unplaced: list[int] = []
-        for d in orphans:
+        for d in orphans:  # to the emptiest host under its target; else any with room
             fitting = [h for h in free_hosts if self._fits(h, d) and self._room(h, want[h.host_id])]
-            if not fitting:
+            under = [h for h in fitting if len(want[h.host_id]) < target[h.host_id]]
+            candidates = under or fitting
+            if not candidates:
                 unplaced.append(d)
                 continue
-            best = min(fitting, key=lambda h: (len(want[h.host_id]), h.seq))
+            best = min(candidates, key=lambda h: (len(want[h.host_id]), h.seq))
             want[best.host_id].add(d)
         return self._apply(want, unplaced)
+
+    def _targets(self, hosts: list[Host], pool: list[int]) -> dict[str, int]:
+        """How many of ``pool`` each host should serve: as even as capacities allow (water-filling),
+        the odd devices to the hosts that hold most now (fewest moves)."""
+        remaining, left, target = len(pool), list(hosts), {}
+        while left:
+            fair = remaining / len(left)
+            capped = [h for h in left if h.capacity is not None and h.capacity < fair]
+            if not capped:
+                break
+            for h in capped:
+                target[h.host_id] = int(h.capacity or 0)
+                remaining -= target[h.host_id]
+                left.remove(h)
+        if left:
+            base, extra = divmod(remaining, len(left))
+            in_pool = set(pool)
+            order = sorted(left, key=lambda h: (-len(h.devices & in_pool), h.seq))
+            for i, h in enumerate(order):
+                target[h.host_id] = base + (1 if i < extra else 0)
+        return target
 
     def _fits(self, host: Host, device: int) -> bool:
         return host.memory_bytes is None or self.need.get(device, 0) <= host.memory_bytes
