@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/embracingfl_experiment.py --experiment B --seeds 0 1 2 --out runs/efl-bench
     .venv/bin/python benchmarks/embracingfl_experiment.py --experiment A --alphas 0.5 --seeds 0 1 2 --docs
 
-The spec's small-scale reproduction (``../shared/specs/embracingfl.md`` §8) on digits with the MLP
+The spec's small-scale reproduction (``docs/algorithms/embracingfl.md`` §8) on digits with the MLP
 64-64-64-64-10, every run a real ``fedfleet run ... --transport inproc`` (server, aggregators and
 clients exchanging the real wire messages in one process), started from
 ``experiments/embracingfl_digits_mix.yaml`` with only the fleet, the algorithm and the seed changed:

@@ -2,7 +2,7 @@
 
     nice -n 10 .venv/bin/python benchmarks/feddse_experiment.py --seeds 0 1 2 --docs
 
-Spec ``../shared/specs/feddse.md`` §8 (setup R0): digits, MLP 64-128-64-10, 20 devices with a
+Spec ``docs/algorithms/feddse.md`` §8 (setup R0): digits, MLP 64-128-64-10, 20 devices with a
 HeteroFL-style class split (``classes_per_device`` L = 2 "high" / 4 "low" heterogeneity), 5 per round,
 50 rounds, E = 2, B = 16, SGD lr 0.05 momentum 0.9 wd 5e-4, the paper's capacity distribution.
 Every run is ``fedfleet run <config> --transport inproc`` (the real services and wire bytes, in one

@@ -1,6 +1,6 @@
 """FedDSE and the width-slice baselines (HeteroFL, FedRolex, Federated Dropout).
 
-Spec ``../shared/specs/feddse.md``: C1 (every method at r = 1 equals FedAvg), the selection rules,
+Spec ``docs/algorithms/feddse.md``: C1 (every method at r = 1 equals FedAvg), the selection rules,
 data-aware extraction on the device, full download / sliced upload, budget-sized capacities, the
 aggregation variants, split-over-aggregators invariance through the strategies, and one short
 in-process run of the real services per download style.

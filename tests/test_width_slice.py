@@ -1,6 +1,6 @@
 """Width slicing machinery (``shared/models/width_slice.py``): slices, narrow models, scatter, accounting.
 
-Spec ``../shared/specs/feddse.md``: C1 (masked = sliced, Lemma 1'), C2 (holder-mean aggregation),
+Spec ``docs/algorithms/feddse.md``: C1 (masked = sliced, Lemma 1'), C2 (holder-mean aggregation),
 C6's expected upload fractions, C7 (memory scales linearly with r for activations, ~r² for
 parameters; extraction below training) and the §4.2 worked sizes of the paper's CNN.
 """

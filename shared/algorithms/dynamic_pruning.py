@@ -1,6 +1,6 @@
 """Federated dynamic pruning: the protocol FedTiny, FedDST and FedMef share (FedTiny's, as FedMef runs it).
 
-Spec: ``../shared/specs/fedmef.md`` §2 and §7 ("FedTiny, as run here"). Every device trains the *same*
+Spec: ``docs/algorithms/fedmef.md`` §2 and §7 ("FedTiny, as run here"). Every device trains the *same*
 sparse model θ ⊙ m, starting from a random mask at the target density; every ΔR rounds (until R_stop)
 the server adjusts the mask: it drops the ξ_l smallest-magnitude aggregated weights of each layer and
 grows the ξ_l pruned positions with the largest aggregated gradient, which the devices send as top-ξ

@@ -1,6 +1,7 @@
 """EmbracingFL (Lee et al., 2024): weak clients train only an output-side suffix of layers.
 
-Spec: ``../shared/specs/embracingfl.md`` (paper: ``../shared/seeds/002_b88a3cb19d45039b.txt``).
+Spec: ``docs/algorithms/embracingfl.md`` (paper: "Embracing Federated Learning: Enabling Weak Client
+Participation via Partial Model Training").
 Every device keeps the **full architecture**. A device with cut index ``c`` (strong: ``c = 1``)
 
 1. receives the input-side prefix (blocks ``1..c-1``) in consecutive chunks and runs its *whole local

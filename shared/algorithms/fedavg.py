@@ -1,7 +1,7 @@
 """FedAvg (McMahan et al., 2017): every device trains the whole model; the server takes the
 sample-weighted mean.
 
-It is the baseline every paper in ``../shared/seeds`` compares against, and the simplest instance of
+It is the baseline every paper in ``docs/algorithms/`` compares against, and the simplest instance of
 the strategy interface: dense weights down, dense weights up, a weighted sum as the partial.
 Integer buffers (BatchNorm's ``num_batches_tracked``) stay on the server and are not averaged.
 """

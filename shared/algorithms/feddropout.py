@@ -1,6 +1,6 @@
 """Federated Dropout (Caldas et al., 2018): a uniformly random set of units per device and round.
 
-Spec: ``../shared/specs/feddse.md`` §7. For every hidden layer, ``k_l`` units are drawn without
+Spec: ``docs/algorithms/feddse.md`` §7. For every hidden layer, ``k_l`` units are drawn without
 replacement, independently per device, round and layer (the FedDSE authors' code:
 ``torch.randperm(m)[:k]``); the draw is keyed by (seed, round, device) so every process agrees. The
 slice goes down and comes back with its index sets; the server takes the holder mean.

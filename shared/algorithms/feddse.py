@@ -1,4 +1,4 @@
-"""FedDSE: distribution-aware sub-model extraction (spec ``../shared/specs/feddse.md``).
+"""FedDSE: distribution-aware sub-model extraction (spec ``docs/algorithms/feddse.md``).
 
 A device of width ratio ``r`` downloads the **whole** global model, runs inference only on its local
 data to score every hidden unit by its mean post-ReLU activation (one full-model forward pass, layer

@@ -1,6 +1,6 @@
 """FedDST (Bibikar et al., AAAI 2022) as the FedMef paper runs it: mask adjustment on the devices.
 
-Spec: ``../shared/specs/fedmef.md`` §7 (recipe from the paper's schedule and ``bibikar/feddst``). Normal
+Spec: ``docs/algorithms/fedmef.md`` §7 (recipe from the paper's schedule and ``bibikar/feddst``). Normal
 rounds are FedTiny's plain sparse FedAvg (values on the common mask go up). In an adjustment round
 each device
 

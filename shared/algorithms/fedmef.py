@@ -1,6 +1,6 @@
 """FedMef (memory-efficient federated dynamic pruning): FedTiny's protocol plus BaE and SAP.
 
-Spec: ``../shared/specs/fedmef.md``. The server half, the wire format and the aggregation are
+Spec: ``docs/algorithms/fedmef.md``. The server half, the wire format and the aggregation are
 FedTiny's (:class:`~shared.algorithms.dynamic_pruning.DynamicPruning`); what differs is on the device:
 
 * **Budget-aware extrusion (BaE, §3.4)** — in an adjustment round every device marks θ_low, the ξ_l

@@ -1,6 +1,6 @@
 """FedRolex (Alam et al., NeurIPS '22): a rolling window of units, the same for every device in a round.
 
-Spec: ``../shared/specs/feddse.md`` §7. Device n of width ratio r trains the ``k_l`` consecutive
+Spec: ``docs/algorithms/feddse.md`` §7. Device n of width ratio r trains the ``k_l`` consecutive
 units starting at offset ``s`` (wrapping around) of every hidden layer; the offset advances by
 ``roll_step`` per round, so over ``m_l`` rounds every unit is trained by every capacity level — the
 coverage HeteroFL lacks. The slice goes down and comes back; the server takes the holder mean.

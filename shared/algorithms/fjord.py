@@ -1,6 +1,6 @@
 """FjORD (Horváth et al., NeurIPS '21): ordered dropout inside a device's nested width.
 
-Spec context: ``../shared/specs/feddse.md`` §1 names FjORD with HeteroFL as the ordered baselines.
+Spec context: ``docs/algorithms/feddse.md`` §1 names FjORD with HeteroFL as the ordered baselines.
 A device of capacity ``r_n`` receives the HeteroFL prefix slice (the first ``k_l(r_n)`` units of every
 hidden layer) and, for **every local minibatch**, trains a narrower prefix: ``p`` is drawn uniformly
 from the capacity levels ``≤ r_n`` (plus ``r_n`` itself), and only the first ``k_l(p)`` units of each

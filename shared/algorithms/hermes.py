@@ -1,6 +1,6 @@
 """Hermes (Li et al., MobiCom '21): personalised structured-sparse subnetworks, overlap averaging.
 
-Spec: ``../shared/specs/hermes.md``. Each device learns its own *unit-structured* subnetwork of one
+Spec: ``docs/algorithms/hermes.md``. Each device learns its own *unit-structured* subnetwork of one
 shared dense model: when the downloaded subnetwork is good enough on its validation split (the
 accuracy gate), it removes the lowest-norm rows/filters at rate ``r_p`` per event, down to
 ``r_target`` of the parameters; it trains under its mask with a group-lasso penalty and sends back

@@ -1,6 +1,6 @@
 """HeteroFL (Diao et al., ICLR '21): nested width slices, the ordered baseline of FedDSE.
 
-Spec: ``../shared/specs/feddse.md`` §7 (HeteroFL is FedDSE's ordered baseline). A device of width
+Spec: ``docs/algorithms/feddse.md`` §7 (HeteroFL is FedDSE's ordered baseline). A device of width
 ratio ``r`` trains the *first* ``k_l = max(1, floor(r·m_l))`` units of every hidden layer (the
 sub-models are nested); the server sends it only that slice and averages every coordinate over the
 devices whose sub-models contain it. Tail units are trained only by wide devices.

@@ -1,6 +1,6 @@
 """LG-FedAvg (Liang et al., 2020): local representation layers, a global head — a Hermes baseline.
 
-Spec: ``../shared/specs/hermes.md`` §7 ("split the model into local layers (the first several, the
+Spec: ``docs/algorithms/hermes.md`` §7 ("split the model into local layers (the first several, the
 representation) and global layers (the last several). Phase 1: FedAvg on the whole model. Phase 2: all
 layers train locally but only the global layers are uploaded and averaged").
 

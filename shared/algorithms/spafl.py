@@ -4,8 +4,8 @@ Every output neuron (linear) or filter (conv) has a trainable threshold tau_i; t
 structurally pruned while its mean |w| is not above tau_i. Devices train their weights and
 thresholds together; **only the threshold vectors travel** (tau_num floats, about 1% of d for the
 digits MLP), and the weights never leave the device, so every device ends with its own personalised
-sparse model. The spec is ``../shared/specs/spafl.md``; section numbers below refer to it, and
-``docs/algorithms/spafl.md`` lists every interpretation taken where the paper is vague.
+sparse model. The spec is ``docs/algorithms/spafl.md``: the § numbers below are its *Spec sections*,
+and it lists every interpretation taken where the paper is vague.
 
 The four halves:
 

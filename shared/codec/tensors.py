@@ -1,6 +1,6 @@
 """In-memory tensor payload kinds: what strategies put into tasks and updates.
 
-The four kinds mirror what the implemented algorithms exchange (see DESIGN.md): full weights
+The four kinds mirror what the implemented algorithms exchange (see docs/architecture.md): full weights
 (:class:`Dense`), per-neuron thresholds (:class:`Threshold`), masked weights (:class:`Sparse`) and
 sub-model slices (:class:`Sliced`). They are plain frozen dataclasses holding numpy arrays; the wire
 layout lives in :mod:`shared.codec.wire`.

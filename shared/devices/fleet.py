@@ -169,8 +169,8 @@ PRESETS: dict[str, dict[str, TierSpec]] = {
             flops_per_s=2e9,
         ),
     },
-    # EmbracingFL (specs/embracingfl.md §4): strong/moderate/weak at 100%/40%/15% of the full model's
-    # training memory; mix = the paper's case 8 (32/32/64 of 128). Tiers differ in memory only.
+    # EmbracingFL (docs/algorithms/embracingfl.md §4): strong/moderate/weak at 100%/40%/15% of the full
+    # model's training memory; mix = the paper's case 8 (32/32/64 of 128). Tiers differ in memory only.
     "embracingfl-mix": {
         name: _t(
             fraction=share,

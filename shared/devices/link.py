@@ -1,6 +1,6 @@
 """Link and compute emulation: how long a transfer or a training task takes on a device.
 
-Two time modes (DESIGN.md, "Devices and budgets"):
+Two time modes (docs/architecture.md, "Devices and budgets"):
 
 - ``virtual`` (default): durations are *computed* (latency + bytes x 8 / bandwidth; FLOPs / FLOP/s) and
   advance a :class:`VirtualClock`; nothing sleeps, so runs go as fast as the CPU allows and the same

@@ -589,7 +589,7 @@ def trainable_except(model: nn.Module, frozen_prefixes: Collection[str]) -> set[
 
 
 # --------------------------------------------------------------------------------------------------
-# EmbracingFL's capacity rule (specs/embracingfl.md §4)
+# EmbracingFL's capacity rule (docs/algorithms/embracingfl.md §4)
 
 
 @dataclass(frozen=True)

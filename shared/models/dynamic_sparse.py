@@ -1,4 +1,4 @@
-"""Federated dynamic pruning machinery shared by FedTiny, FedDST and FedMef (spec ``specs/fedmef.md``).
+"""Federated dynamic pruning machinery shared by FedTiny, FedDST and FedMef (``docs/algorithms/fedmef.md``).
 
 What lives here, and why it is shared:
 

@@ -1,6 +1,6 @@
 """Layer-wise splitting of a model into atomic blocks, for partial training (EmbracingFL, LG-FedAvg).
 
-Why a separate module: EmbracingFL (specs/embracingfl.md) trains an output-side *suffix* of blocks
+Why a separate module: EmbracingFL (docs/algorithms/embracingfl.md) trains an output-side *suffix* of blocks
 and only runs the input-side *prefix* forward, chunk by chunk; LG-FedAvg keeps input-side blocks on the
 device and averages the output-side ones. Both need the same three things from a model: its ordered
 list of cut-safe blocks, the parameter / state names of each block, and a way to run a consecutive

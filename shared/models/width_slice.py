@@ -1,6 +1,6 @@
 """Width slicing of sequential models: the machinery behind FedDSE, HeteroFL, FedRolex, Fed. Dropout.
 
-Spec: ``../shared/specs/feddse.md`` §3.3 (slicing), §2.6 (aggregation), §4.2 (accounting).
+Spec: ``docs/algorithms/feddse.md`` §3.3 (slicing), §2.6 (aggregation), §4.2 (accounting).
 Every width-slice algorithm does the same four things and differs only in *which* units it keeps:
 
 1. choose, for every hidden layer ``l``, a sorted index set ``S_l`` of ``k_l = max(1, floor(r·m_l))``
