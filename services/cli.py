@@ -25,7 +25,15 @@ from rich.console import Console
 
 from services import orchestrator
 from services.report import print_report
-from shared.config import ConfigError, ExperimentConfig, Settings, dump_config, load_config
+from shared.config import (
+    ConfigError,
+    ExperimentConfig,
+    RunMismatch,
+    Settings,
+    claim_run_dir,
+    dump_config,
+    load_config,
+)
 from shared.results import read_summary, write_summary
 
 console = Console(stderr=True)
@@ -102,6 +110,18 @@ def _host_id(given: str | None) -> str:
     return f"{name.strip('-') or 'host'}-{uuid.uuid4().hex[:6]}"
 
 
+def _claim(run_dir: Path, cfg: ExperimentConfig, force: bool) -> Path | None:
+    """The config file of ``run_dir`` for this run (None: another experiment's run, said why)."""
+    try:
+        extra = claim_run_dir(run_dir, cfg, force=force)
+    except RunMismatch as err:
+        console.print(f"[red]cannot resume:[/red] {err}")
+        return None
+    if extra is not None:
+        console.print(f"[yellow]--force: resuming {run_dir} with the config in {extra}[/yellow]")
+    return extra or run_dir / "config.yaml"
+
+
 # -- service commands ------------------------------------------------------------------------------
 def cmd_server(args: argparse.Namespace) -> int:
     from services.common import setup_logging
@@ -114,8 +134,8 @@ def cmd_server(args: argparse.Namespace) -> int:
     cfg = _load(args.config)
     exp_id = _experiment_id(args, cfg, settings)
     run_dir = Path(args.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    if _claim(run_dir, cfg, args.force) is None:
+        return 2
     metrics.serve(_metrics_port(args, settings, "server"))
     transport = _transport(settings.rabbitmq_url, exp_id)
     server = Server(transport, Experiment.build(cfg), run_dir, experiment_id=exp_id)
@@ -223,8 +243,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if (why := _cannot_run(cfg)) is not None:
         console.print(f"[red]cannot run {args.config}[/red]\n{why}")
         return 2
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    if (config_path := _claim(run_dir, cfg, args.force)) is None:
+        return 2
 
     transport = args.transport
     if transport in ("auto", "amqp"):
@@ -255,6 +275,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             aggregators=args.aggregators or cfg.processes.aggregators,
             clients=args.clients or cfg.processes.clients,
             base_port=args.metrics_base_port,
+            config=config_path,
+            force=args.force,
         )
     if rc == 0:
         summary = read_summary(run_dir)
@@ -345,6 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--clients", type=int, help="client processes (default: config processes.clients)")
     run.add_argument("--metrics-base-port", type=int, default=9100)
+    run.add_argument(
+        "--force", action="store_true", help="resume --run-id even if its config differs from this one"
+    )
     run.set_defaults(fn=cmd_run)
 
     def service(name: str, fn: Any) -> argparse.ArgumentParser:
@@ -360,6 +385,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv = service("server", cmd_server)
     srv.add_argument(
         "--run-dir", required=True, help="results and checkpoints; resumes if it holds a checkpoint"
+    )
+    srv.add_argument(
+        "--force", action="store_true", help="resume a run directory even if its config differs from this one"
     )
     agg = service("aggregator", cmd_aggregator)
     agg.add_argument("--id")

@@ -406,9 +406,15 @@ class ProcessCluster:
         return proc
 
     def server(
-        self, name: str = "server", *, metrics_port: int = 0, env: dict[str, str] | None = None
+        self,
+        name: str = "server",
+        *,
+        metrics_port: int = 0,
+        env: dict[str, str] | None = None,
+        force: bool = False,
     ) -> ServiceProcess:
-        return self.start(name, ["server", "--run-dir", str(self.run_dir)], metrics_port, env=env)
+        argv = ["server", "--run-dir", str(self.run_dir), *(["--force"] if force else [])]
+        return self.start(name, argv, metrics_port, env=env)
 
     def aggregator(self, name: str, *, metrics_port: int = 0) -> ServiceProcess:
         return self.start(name, ["aggregator", "--id", name], metrics_port=metrics_port)
@@ -424,7 +430,15 @@ class ProcessCluster:
             argv += ["--max-devices", str(max_devices)]
         return self.start(name, argv, metrics_port=metrics_port)
 
-    def standard(self, cfg: ExperimentConfig, *, aggregators: int, clients: int, base_port: int = 0) -> None:
+    def standard(
+        self,
+        cfg: ExperimentConfig,
+        *,
+        aggregators: int,
+        clients: int,
+        base_port: int = 0,
+        force: bool = False,
+    ) -> None:
         """A server, ``aggregators`` aggregators and ``clients`` clients sharing the fleet round-robin.
 
         ``base_port`` > 0: metrics ports from there on (skipping taken ones); 0: no metrics endpoint.
@@ -439,7 +453,7 @@ class ProcessCluster:
             port = chosen + 1
             return chosen
 
-        self.server(metrics_port=next_port())
+        self.server(metrics_port=next_port(), force=force)
         for i in range(aggregators):
             self.aggregator(f"aggregator-{i}", metrics_port=next_port())
         for i in range(min(clients, cfg.num_devices)):
@@ -520,10 +534,16 @@ def run_processes(
     aggregators: int,
     clients: int,
     base_port: int,
+    config: Path | None = None,
+    force: bool = False,
 ) -> int:
-    """``fedfleet run`` over RabbitMQ: every service its own process; returns the server's exit code."""
-    cluster = ProcessCluster(url, run_id, run_dir / "config.yaml", run_dir)
-    cluster.standard(cfg, aggregators=aggregators, clients=clients, base_port=base_port)
+    """``fedfleet run`` over RabbitMQ: every service its own process; returns the server's exit code.
+
+    ``config``: the file the services read (default ``run_dir/config.yaml``); ``force``: the server
+    resumes ``run_dir`` even though it holds another config (``fedfleet run --force``).
+    """
+    cluster = ProcessCluster(url, run_id, config or run_dir / "config.yaml", run_dir)
+    cluster.standard(cfg, aggregators=aggregators, clients=clients, base_port=base_port, force=force)
     (run_dir / "ports.json").write_text(json.dumps(cluster.ports, indent=2))
     rc = 0
     try:

@@ -172,3 +172,41 @@ def test_reference_rows_carry_type_default_bounds_and_comment() -> None:
     assert rows[3] == "| `x.mode` | `a` \\| `b` | `a` |  |  |"
     assert rows[4] == "| `x.need` | float | **required** |  | must be given |"
     assert field_comments(WidthOptions)["rounding"].startswith("``k = max(1, floor(r·m))``")
+
+
+def test_a_run_directory_resumed_with_another_config_is_refused_naming_the_keys(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Resuming must not mix two experiments: a different config is an error that names what
+    differs, and the run's own ``config.yaml`` is never overwritten; ``--force`` resumes anyway and
+    keeps the new config beside the old one."""
+    from services.cli import main
+    from shared.config import RunMismatch, claim_run_dir, dump_config
+    from tests.conftest import write_config
+
+    run = tmp_path / "runs" / "r1"
+    first = load_config(write_config(tmp_path / "a.yaml", rounds=10))
+    assert claim_run_dir(run, first) is None  # a new directory: its config is written
+    original = (run / "config.yaml").read_text()
+    assert original == dump_config(first)
+    assert claim_run_dir(run, first) is None  # the same config resumes
+
+    other_path = write_config(tmp_path / "b.yaml", rounds=30, train={"lr": 0.05})
+    other = load_config(other_path)
+    with pytest.raises(RunMismatch) as err:
+        claim_run_dir(run, other)
+    assert "rounds: 10 -> 30" in str(err.value) and "train.lr: 0.3 -> 0.05" in str(err.value)
+    assert (run / "config.yaml").read_text() == original
+
+    # the same refusal from the command line, before any broker is contacted: exit code 2
+    argv = ["server", "--config", str(other_path), "--run-dir", str(run), "--metrics-port", "0"]
+    assert main(argv) == 2
+    assert "rounds: 10 -> 30" in capsys.readouterr().err
+    runs = ["run", str(other_path), "--runs-dir", str(tmp_path / "runs"), "--run-id", "r1"]
+    assert main(runs) == 2
+    assert "train.lr" in "".join(capsys.readouterr().err.split())
+    assert (run / "config.yaml").read_text() == original
+
+    extra = claim_run_dir(run, other, force=True)
+    assert extra is not None and extra.parent == run and load_config(extra) == other
+    assert (run / "config.yaml").read_text() == original

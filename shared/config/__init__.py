@@ -291,6 +291,65 @@ def load_config(path: str | os.PathLike[str]) -> ExperimentConfig:
     return cfg
 
 
+def config_differences(a: ExperimentConfig, b: ExperimentConfig) -> list[str]:
+    """The dotted keys whose resolved values differ between two configs (``train.lr: 0.1 -> 0.3``)."""
+
+    def flat(value: Any, prefix: str = "") -> dict[str, Any]:
+        if isinstance(value, dict):
+            out: dict[str, Any] = {}
+            for k, v in value.items():
+                out.update(flat(v, f"{prefix}{k}."))
+            return out
+        return {prefix.rstrip("."): value}
+
+    fa, fb = flat(a.model_dump(mode="json")), flat(b.model_dump(mode="json"))
+    missing = object()
+    return [
+        f"{k}: {fa.get(k, missing)!r} -> {fb.get(k, missing)!r}".replace(repr(missing), "(unset)")
+        for k in sorted(set(fa) | set(fb))
+        if fa.get(k, missing) != fb.get(k, missing)
+    ]
+
+
+class RunMismatch(ConfigError):
+    """A run directory resumed with a config other than its own."""
+
+
+def claim_run_dir(run_dir: Path, cfg: ExperimentConfig, *, force: bool = False) -> Path | None:
+    """Make ``run_dir`` this config's: write ``config.yaml`` into a new run directory; in an existing
+    one, check that it holds the same experiment.
+
+    Why: a server pointed at an old run directory resumes whatever checkpoint is there; with another
+    experiment's config that silently mixed two experiments ("round 28/10") and overwrote the old
+    record of what the run was. A different config is a ``RunMismatch`` naming the differing keys.
+    ``force`` resumes anyway and keeps both: the new config goes to ``config.<UTC time>.yaml`` (its
+    path is returned), ``config.yaml`` stays the run's original.
+    """
+    from datetime import UTC, datetime
+
+    path = run_dir / "config.yaml"
+    if not path.exists():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(dump_config(cfg))
+        return None
+    try:
+        old = parse_config(yaml.safe_load(path.read_text()), str(path))
+    except (ConfigError, yaml.YAMLError) as err:
+        raise RunMismatch(f"{path} is not a valid config ({err}); choose another run directory") from None
+    diff = config_differences(old, cfg)
+    if not diff:
+        return None
+    if not force:
+        shown = "\n  ".join(diff[:20]) + (f"\n  ... and {len(diff) - 20} more" if len(diff) > 20 else "")
+        raise RunMismatch(
+            f"{run_dir} holds a run of another config ({len(diff)} keys differ):\n  {shown}\n"
+            "choose another run directory (--run-id / --run-dir), or resume it anyway with --force"
+        )
+    extra = run_dir / f"config.{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}.yaml"
+    extra.write_text(dump_config(cfg))
+    return extra
+
+
 def dump_config(cfg: ExperimentConfig) -> str:
     """The resolved config (defaults filled in) as YAML, written next to every run's results."""
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
