@@ -19,7 +19,7 @@ import time
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
@@ -35,6 +35,9 @@ from shared.config import (
     load_config,
 )
 from shared.results import read_summary, write_summary
+
+if TYPE_CHECKING:  # torch stays out of the CLI's start-up path
+    from shared.experiment import Experiment
 
 console = Console(stderr=True)
 DEFAULT_PORTS = {"server": 9100, "aggregator": 9101, "client": 9102}
@@ -71,12 +74,16 @@ _TERMINATED = threading.Event()
 
 
 def _linger(settings: Settings) -> None:
-    """Keep /metrics up a little after the work is done, so Prometheus gets the final counts.
+    """After the work: wait until Prometheus has scraped the final counts, at most ``linger_s``.
 
-    A SIGTERM/SIGINT ends the wait at once (``_TERMINATED``), so lingering never delays a shutdown.
+    A scrape that began after this point read every counter as it ends, so the service may go as
+    soon as one happened. A SIGTERM/SIGINT ends the wait at once (``_TERMINATED``), so lingering never
+    delays a shutdown.
     """
+    from shared import metrics
+
     if settings.linger_s > 0:
-        _TERMINATED.wait(settings.linger_s)
+        metrics.wait_for_scrape(time.time(), settings.linger_s, stop=_TERMINATED)
 
 
 def _install_signal_handlers(service: Any) -> None:
@@ -127,7 +134,6 @@ def cmd_server(args: argparse.Namespace) -> int:
     from services.common import setup_logging
     from services.server.service import Server
     from shared import metrics
-    from shared.experiment import Experiment
 
     settings = Settings()
     setup_logging(settings.log_level)
@@ -136,9 +142,10 @@ def cmd_server(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     if _claim(run_dir, cfg, args.force) is None:
         return 2
+    exp = _experiment(cfg, args.config)
     metrics.serve(_metrics_port(args, settings, "server"))
     transport = _transport(settings.rabbitmq_url, exp_id)
-    server = Server(transport, Experiment.build(cfg), run_dir, experiment_id=exp_id)
+    server = Server(transport, exp, run_dir, experiment_id=exp_id)
     _install_signal_handlers(server)
     server.run()
     transport.close()
@@ -153,17 +160,17 @@ def cmd_aggregator(args: argparse.Namespace) -> int:
     from services.aggregator.service import Aggregator
     from services.common import setup_logging
     from shared import metrics
-    from shared.experiment import Experiment
 
     settings = Settings()
     setup_logging(settings.log_level)
     cfg = _load(args.config)
     exp_id = _experiment_id(args, cfg, settings)
+    strategy = _experiment(cfg, args.config).strategy
     metrics.serve(_metrics_port(args, settings, "aggregator"))
     transport = _transport(settings.rabbitmq_url, exp_id)
     agg = Aggregator(
         transport,
-        Experiment.build(cfg).strategy,
+        strategy,
         experiment_id=exp_id,
         algorithm=cfg.algorithm.name,
         aggregator_id=args.id or socket.gethostname(),
@@ -182,7 +189,6 @@ def cmd_client(args: argparse.Namespace) -> int:
     from services.client.service import Client, per_device_bytes
     from services.common import setup_logging
     from shared import metrics
-    from shared.experiment import Experiment
 
     settings = Settings()
     setup_logging(settings.log_level)
@@ -192,7 +198,7 @@ def cmd_client(args: argparse.Namespace) -> int:
     if args.max_devices is not None and args.max_devices < 1:
         raise SystemExit("--max-devices must be at least 1")
     metrics.serve(_metrics_port(args, settings, "client"))
-    exp = Experiment.build(cfg)
+    exp = _experiment(cfg, args.config)
     capacity, memory = host_budget(
         memory_limit(), per_device_bytes(exp), exp.full_footprint_bytes, args.max_devices
     )
@@ -286,12 +292,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     return rc
 
 
-def _cannot_run(cfg: ExperimentConfig) -> str | None:
-    """Why this machine cannot run ``cfg`` (None: it can): builds the strategy, fleet and data
-    partitions without starting anything.
+def _build(cfg: ExperimentConfig) -> Experiment | str:
+    """The experiment with its strategy, fleet and partitions made, or why this machine cannot make
+    it (a missing dataset file, a bad fleet row, a partition that cannot be made).
 
     ``run`` and ``validate`` share it so that a config ``validate`` calls ok does not then fail at
-    ``run`` on a missing dataset file, a bad fleet row or a partition that cannot be made.
+    ``run``; the services use it so that a bad config is one clear line, not a traceback.
     """
     from shared.data import DatasetUnavailable
     from shared.devices import FleetError
@@ -302,7 +308,22 @@ def _cannot_run(cfg: ExperimentConfig) -> str | None:
         _ = exp.strategy, exp.fleet, exp.partitions
     except (FleetError, DatasetUnavailable, ValueError) as err:
         return str(err)
-    return None
+    return exp
+
+
+def _cannot_run(cfg: ExperimentConfig) -> str | None:
+    """Why this machine cannot run ``cfg`` (None: it can)."""
+    built = _build(cfg)
+    return built if isinstance(built, str) else None
+
+
+def _experiment(cfg: ExperimentConfig, source: str) -> Experiment:
+    """``_build`` for a service: exit 2 with the reason when the experiment cannot be made."""
+    built = _build(cfg)
+    if isinstance(built, str):
+        console.print(f"[red]cannot run {source}[/red]: {built}")
+        raise SystemExit(2)
+    return built
 
 
 def cmd_report(args: argparse.Namespace) -> int:

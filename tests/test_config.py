@@ -210,3 +210,24 @@ def test_a_run_directory_resumed_with_another_config_is_refused_naming_the_keys(
     extra = claim_run_dir(run, other, force=True)
     assert extra is not None and extra.parent == run and load_config(extra) == other
     assert (run / "config.yaml").read_text() == original
+
+
+def test_a_service_given_an_impossible_experiment_says_why_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``fedfleet server|aggregator|client`` with a config this machine cannot build (more devices
+    than samples): exit code 2 and the reason, no traceback, nothing connected."""
+    from services.cli import main
+    from tests.conftest import write_config
+
+    cfg = write_config(tmp_path / "c.yaml", num_devices=900, devices_per_round=10)
+    for argv in (
+        ["server", "--config", str(cfg), "--run-dir", str(tmp_path / "run")],
+        ["aggregator", "--config", str(cfg)],
+        ["client", "--config", str(cfg)],
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            main([*argv, "--metrics-port", "0"])
+        assert exit_.value.code == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert "num_devices (900) exceeds the number of samples (800)" in err and "Traceback" not in err

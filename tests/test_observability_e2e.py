@@ -457,3 +457,67 @@ def test_every_dashboard_query_returns_data(observed: ObservedRun) -> None:
         elif where.startswith("variable experiment"):
             assert any(s["metric"].get("experiment") == exp for s in series), where
     assert not empty, "dashboard queries without data:\n" + "\n".join(empty)
+
+
+def test_prometheus_bytes_equal_summary_with_a_thousand_devices(
+    broker_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """At fleet scale too: 1,000 devices on three elastic hosts (no device arguments), Prometheus
+    scraping every second. Each service waits after its work until one scrape has read its final
+    counters (``FEDFLEET_LINGER_S`` is only the upper bound of that wait), so Prometheus's totals
+    equal ``summary.json`` to the byte even though every process exits at the end of the run."""
+    prometheus_bin = tool("prometheus")
+    broker_target = _rabbitmq_exporter(broker_url)
+    work = tmp_path_factory.mktemp("observability-1000")
+    exp = f"obs1k{os.getpid()}{time.time_ns() % 10**8}"
+    config = write_config(
+        work / "experiment.yaml",
+        rounds=3,
+        num_devices=1000,
+        devices_per_round=60,
+        round_timeout_s=ROUND_TIMEOUT_S,
+        registration_timeout_s=120,
+        dataset={"name": "digits", "partition": "iid", "train_limit": None},
+        train={"local_epochs": 1, "batch_size": 16, "lr": 0.3},
+        emulation={"over_selection": 1.25},  # first finishers: discarded updates are never sent
+    )
+    cluster = process_cluster(broker_url, exp, config, work)
+    cluster.env["FEDFLEET_LINGER_S"] = "60"
+    names = ["server", "agg-0", "c0", "c1", "c2"]
+    *ports, prom_port = free_ports(len(names) + 1)
+    targets = dict(zip(names, ports, strict=True))
+    prom_dir = work / "prometheus"
+    prom_dir.mkdir()
+    prom_cfg = prom_dir / "prometheus.yml"
+    prometheus_config(targets, broker_target, prom_port, prom_cfg)
+    prom = Prometheus(prometheus_bin, prom_cfg, prom_dir, prom_port)
+    try:
+        wait_for(prom.ready, 60, "prometheus to be ready", interval=0.5)
+        start = time.time()
+        server = cluster.server(metrics_port=targets["server"])
+        cluster.aggregator("agg-0", metrics_port=targets["agg-0"])
+        for name in ("c0", "c1", "c2"):
+            cluster.client(name, metrics_port=targets[name])
+        try:
+            rc = server.p.wait(RUN_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the run did not finish\n{_logs_tail(cluster.procs, prom)}") from None
+        assert rc == 0, _logs_tail(cluster.procs, prom)
+        for p in cluster.procs:
+            p.p.wait(90)
+        end = time.time()
+        s = json.loads((cluster.run_dir / "summary.json").read_text())
+        assert s["rounds_completed"] == 3 and sum(t["devices"] for t in s["tiers"].values()) == 1000
+        run = ObservedRun(exp, cluster.run_dir, s, [], [], prom, start, end, targets)
+        wire = f'fedfleet_wire_bytes_total{{experiment="{exp}"'
+        assert run.last(wire + ',kind="update"}') == s["bytes_up"] > 0
+        assert run.last(wire + ',kind="task"}') == s["bytes_down"] > 0
+        # every process left as soon as its final counts were scraped, not after the 60 s bound
+        assert end - start < 60 + RUN_TIMEOUT / 2
+        for p in cluster.procs:
+            assert p.p.returncode == 0, p.text()[-2000:]
+    finally:
+        cluster.stop_all()
+        cluster.cleanup_broker()
+        prom.stop()
+        shutil.rmtree(prom_dir / "tsdb", ignore_errors=True)

@@ -367,7 +367,8 @@ class Settings(BaseSettings):
     metrics_port: int | None = None
     experiment: str | None = None
     log_level: str = "INFO"
-    #: seconds a service keeps serving /metrics after it finished (a last scrape sees final counts)
+    #: after its work a service waits until Prometheus has scraped its final counts, at most this many
+    #: seconds (0: exits at once). Set it above the scrape interval wherever Prometheus scrapes.
     linger_s: float = 0.0
     #: what a client host does when the experiment ends: ``exit`` (0), or ``idle`` (stay up doing
     #: nothing: a Kubernetes Deployment would restart a pod that exits)

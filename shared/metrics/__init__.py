@@ -13,8 +13,13 @@ from __future__ import annotations
 
 import errno
 import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 
 #: Label sets reused below. ``direction`` is ``down`` (server→device), ``up`` (device→aggregator),
 #: ``partial`` (aggregator→server) or ``control`` (small coordination messages).
@@ -201,6 +206,50 @@ def all_metric_names(registry: CollectorRegistry = REGISTRY) -> set[str]:
 
 _started: set[int] = set()
 _lock = threading.Lock()
+#: wall time at which the newest ``/metrics`` exposition began being generated (0: never scraped)
+_last_scrape = 0.0
+_scraped = threading.Condition()
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No access log on stderr: scrapes every few seconds would drown the service's own log."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def _recording_app(registry: CollectorRegistry) -> Callable[..., Iterable[bytes]]:
+    """The exposition app, noting when each scrape read the counters (see ``wait_for_scrape``)."""
+    inner = make_wsgi_app(registry)
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        global _last_scrape
+        began = time.time()
+        body = inner(environ, start_response)  # the counters are read here, whole
+        with _scraped:
+            _last_scrape = max(_last_scrape, began)
+            _scraped.notify_all()
+        return body
+
+    return app
+
+
+def wait_for_scrape(after: float, timeout: float, stop: threading.Event | None = None) -> bool:
+    """Wait until a scrape has read the counters at or after ``after`` (True), at most ``timeout``
+    seconds, or until ``stop`` is set.
+
+    Why: a service that exits right after its work loses whatever changed since the last scrape —
+    the final round's bytes, the last updates — and a Prometheus total then falls short of the run's
+    own record. Waiting for one scrape that began after the work ended makes the final counts land.
+    """
+    deadline = time.time() + timeout
+    with _scraped:
+        while _last_scrape < after:
+            left = deadline - time.time()
+            if left <= 0 or (stop is not None and stop.is_set()):
+                return False
+            _scraped.wait(min(left, 0.2))
+    return True
 
 
 class MetricsPortInUse(RuntimeError):
@@ -215,7 +264,10 @@ def serve(port: int, addr: str = "0.0.0.0") -> None:
         if port in _started:
             return
         try:
-            start_http_server(port, addr=addr)
+            httpd = make_server(
+                addr, port, _recording_app(REGISTRY), ThreadingWSGIServer, handler_class=_QuietHandler
+            )
+            threading.Thread(target=httpd.serve_forever, daemon=True, name=f"metrics:{port}").start()
         except OSError as err:
             if err.errno != errno.EADDRINUSE:
                 raise
