@@ -218,18 +218,31 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
+class _Served:
+    """A response body that records its scrape once the server has written all of it (WSGI servers
+    call ``close`` after the last byte): a service that exits as soon as it was scraped must not cut
+    its last page short."""
+
+    def __init__(self, body: Iterable[bytes], began: float) -> None:
+        self.body, self.began = body, began
+
+    def __iter__(self) -> Any:
+        return iter(self.body)
+
+    def close(self) -> None:
+        global _last_scrape
+        with _scraped:
+            _last_scrape = max(_last_scrape, self.began)
+            _scraped.notify_all()
+
+
 def _recording_app(registry: CollectorRegistry) -> Callable[..., Iterable[bytes]]:
     """The exposition app, noting when each scrape read the counters (see ``wait_for_scrape``)."""
     inner = make_wsgi_app(registry)
 
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        global _last_scrape
         began = time.time()
-        body = inner(environ, start_response)  # the counters are read here, whole
-        with _scraped:
-            _last_scrape = max(_last_scrape, began)
-            _scraped.notify_all()
-        return body
+        return _Served(inner(environ, start_response), began)  # the counters are read here, whole
 
     return app
 
