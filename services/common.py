@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from shared import codec, metrics
+from shared.identity import ACCEPTS, Sender, identify, strict
 from shared.schemas import DecodeError, Envelope, Kind, decode, encode
 from shared.schemas import _Body as Body
 from shared.transport import Delivery, Transport
@@ -71,6 +72,15 @@ class ServiceBase:
         self.max_bytes = max_bytes
         self.log = logging.getLogger(f"fedfleet.{self.service}")
         self.stopped = False
+        #: senders are checked (role, lease) unless every service shares one broker user (dev mode)
+        self.strict = strict(transport.user)
+        if not self.strict:
+            self.log.warning(
+                "dev mode: logged in as broker user %r, not a fedfleet role user, so sender roles, "
+                "host leases and per-host identities are NOT checked (docs/security.md, 'Dev mode')",
+                transport.user or "(none)",
+                extra={"event": "dev_mode"},
+            )
 
     # -- receiving -------------------------------------------------------------------------------
     def dispatch(self, delivery: Delivery, handlers: Mapping[Kind, MessageHandler]) -> None:
@@ -91,6 +101,15 @@ class ServiceBase:
         if handler is None:
             self.reject(delivery, "unexpected-kind", f"{self.service} does not accept {env.kind.value}")
             return
+        sender = self.sender(delivery)
+        allowed = ACCEPTS[self.service].get(env.kind)
+        if self.strict and sender.role is not allowed:
+            self.reject(
+                delivery,
+                "wrong-sender",
+                f"{env.kind.value} from {sender} ({sender.role.value}); only a {allowed} may send it",
+            )
+            return
         try:
             handler(env, body, delivery)
         except codec.CodecError as err:
@@ -101,6 +120,11 @@ class ServiceBase:
                 "handler failed", extra={"event": "handler_error", "reason": type(err).__name__}
             )
             self.reject(delivery, "handler-error", f"{type(err).__name__}: {err}")
+
+    @staticmethod
+    def sender(delivery: Delivery) -> Sender:
+        """Who published ``delivery``, as the broker vouches for it (``user_id``)."""
+        return identify(delivery.user_id)
 
     def reject(self, delivery: Delivery, reason: str, detail: str) -> None:
         metrics.DEAD_LETTERS.labels(self.experiment, self.service, reason).inc()
@@ -121,9 +145,15 @@ class ServiceBase:
         inc: str = "",
         dense_bytes: int = 0,
         sender: str | None = None,
+        mac_key: str = "",
     ) -> int:
-        """Encode, publish (confirmed) and count one message; returns its wire size in bytes."""
-        data = encode(kind, body, exp=self.experiment, round=round, sender=sender or self.service, inc=inc)
+        """Encode, publish (confirmed) and count one message; returns its wire size in bytes.
+
+        ``mac_key``: a device's task key — the message then carries a MAC of its bytes.
+        """
+        data = encode(
+            kind, body, exp=self.experiment, round=round, sender=sender or self.service, inc=inc, key=mac_key
+        )
         return self.publish_raw(key, kind, data, dense_bytes=dense_bytes)
 
     def publish_raw(self, key: str, kind: Kind, data: bytes, *, dense_bytes: int = 0) -> int:

@@ -34,6 +34,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from shared.config import ExperimentConfig, dump_config
+from shared.identity import AGGREGATOR_USER, SERVER_USER, host_user
 from shared.results import read_rounds
 
 if TYPE_CHECKING:  # torch stays out of the import path of ``fedfleet run``'s parent process
@@ -90,7 +91,8 @@ class RoundProgress:
 class InprocCluster:
     """The experiment's services as objects in this process, driven round-robin by :meth:`run`.
 
-    ``transport`` makes each service's connection (default: a shared in-process broker). Services can
+    ``transport(user)`` makes each service's connection as broker user ``user`` (default: a shared
+    in-process broker, where each service publishes as its role's user, so sender checks are on). Services can
     be added and removed while the run goes on — what the fault tests do to emulate a late start or
     a crash (:meth:`crash` closes a service's connection without any clean-up, as a SIGKILL would).
     """
@@ -101,7 +103,7 @@ class InprocCluster:
         run_dir: Path,
         experiment_id: str,
         *,
-        transport: Callable[[], Transport] | None = None,
+        transport: Callable[[str], Transport] | None = None,
         aggregators: int | None = None,
         clients: int | None = None,
         state_dir: Path | None = None,
@@ -117,10 +119,12 @@ class InprocCluster:
 
             self.broker: InprocBroker | None = InprocBroker()
             broker = self.broker
-            self._transport: Callable[[], Transport] = lambda: InprocTransport(broker, experiment_id)
+            self._transport: Callable[[str], Transport] = lambda user: InprocTransport(
+                broker, experiment_id, user
+            )
         else:
             self.broker, self._transport = None, transport
-        self.server = Server(self._transport(), exp, run_dir, experiment_id=experiment_id)
+        self.server = Server(self._transport(SERVER_USER), exp, run_dir, experiment_id=experiment_id)
         self.services: list[ServiceBase] = [self.server]
         #: services that stopped by themselves (a host that left, everyone at the end)
         self.exited: list[ServiceBase] = []
@@ -146,7 +150,7 @@ class InprocCluster:
         from services.aggregator.service import Aggregator
 
         agg = Aggregator(
-            self._transport(),
+            self._transport(AGGREGATOR_USER),
             self.exp.strategy,
             experiment_id=self.experiment_id,
             algorithm=self.cfg.algorithm.name,
@@ -164,7 +168,7 @@ class InprocCluster:
         from services.client.service import Client
 
         client = Client(
-            self._transport(),
+            self._transport(host_user(name)),
             self.exp,
             experiment_id=self.experiment_id,
             client_id=name,

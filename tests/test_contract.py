@@ -105,11 +105,11 @@ def _observe(exp: Experiment, seen: Observed) -> None:
     strategy.train = train  # type: ignore[method-assign]
 
 
-def _counting(make: Callable[[], Transport], seen: Observed) -> Callable[[], Transport]:
+def _counting(make: Callable[[str], Transport], seen: Observed) -> Callable[[str], Transport]:
     """Wrap each service's transport so every published body is tallied by kind."""
 
-    def factory() -> Transport:
-        t = make()
+    def factory(user: str) -> Transport:
+        t = make(user)
         publish, publish_many = t.publish, t.publish_many
         batching = [False]  # a batch may be published message by message: count it once
 
@@ -136,11 +136,11 @@ def _counting(make: Callable[[], Transport], seen: Observed) -> Callable[[], Tra
     return factory
 
 
-def _inproc(experiment_id: str) -> Callable[[], Transport]:
+def _inproc(experiment_id: str) -> Callable[[str], Transport]:
     from shared.transport.inproc import InprocBroker, InprocTransport
 
     broker = InprocBroker()
-    return lambda: InprocTransport(broker, experiment_id)
+    return lambda user: InprocTransport(broker, experiment_id, user)
 
 
 class _Killed(Exception):
@@ -159,7 +159,7 @@ def _run(
     cfg: ExperimentConfig,
     run_dir: Path,
     experiment_id: str,
-    transport: Callable[[], Transport],
+    transport: Callable[[str], Transport],
     *,
     stop_when: Callable[[Server], bool] | None = None,
     kill_after_round: int | None = None,
@@ -298,7 +298,7 @@ def test_rabbitmq_run_equals_the_inprocess_run(
     cfg = contract_config(algorithm, clean.exp.cfg.name)
     made: list[AmqpTransport] = []
 
-    def amqp() -> Transport:
+    def amqp(user: str) -> Transport:  # every service as the test broker's one user: dev mode
         made.append(AmqpTransport(broker_url, experiment_id))
         return made[-1]
 

@@ -27,8 +27,8 @@ from services.orchestrator import free_ports, run_inproc
 from shared import codec
 from shared.config import load_config
 from shared.experiment import Experiment
-from shared.schemas import Kind, Reject, Update, encode
-from shared.transport import KEY_SERVER, KEY_UPDATE, key_task
+from shared.schemas import Kind, Reject, Update, decode, encode
+from shared.transport import KEY_SERVER, KEY_UPDATE
 from shared.transport.amqp import AmqpTransport
 from tests.conftest import read_rounds, wait_for, write_config
 
@@ -99,7 +99,7 @@ def test_amqp_run_equals_inproc_and_counts_every_published_byte(cluster: Any, tm
     c.env["FEDFLEET_LINGER_S"] = "120"  # keep /metrics up after the run so we can read final counts
     spy = AmqpTransport(c.url, c.experiment_id)
     spy_q = spy.names.client_queue("spy")  # deleted with the experiment's queues
-    spy.declare_queue(spy_q, [KEY_UPDATE, *(key_task(d) for d in range(8))])
+    spy.declare_queue(spy_q, [KEY_UPDATE, "host.*"])  # updates, and everything sent to a host
     ports = dict(zip(("server", "agg-0", "agg-1", "c0", "c1"), free_ports(5), strict=True))
 
     def start(name: str, argv: list[str]) -> Any:
@@ -120,7 +120,9 @@ def test_amqp_run_equals_inproc_and_counts_every_published_byte(cluster: Any, tm
         method, _props, body = ch.basic_get(spy_q, auto_ack=True)
         if method is None:
             break
-        published["update" if method.routing_key == KEY_UPDATE else "task"] += len(body)
+        kind = decode(body, max_bytes=len(body) + 1)[0].kind
+        if kind in (Kind.UPDATE, Kind.TASK):
+            published[kind.value] += len(body)
     conn.close()
     spy.delete_queue(spy_q)
     spy.close()
@@ -151,9 +153,11 @@ class InjectingClient(Client):
             bad_tensor["shape"] = [5]  # buffer holds 4 floats, shape claims 5
 
             def upd(device: int, rnd: int, inc_: str, tensors: dict[str, Any]) -> bytes:
-                # every injected update carries this device's real task token
-                body = Update(device_id=device, num_samples=10, tensors=tensors, token=msg.token)
-                return encode(Kind.UPDATE, body, exp=self.experiment, round=rnd, sender="evil", inc=inc_)
+                # every injected update is MAC'd with this device's real task key
+                body = Update(device_id=device, num_samples=10, tensors=tensors)
+                return encode(
+                    Kind.UPDATE, body, exp=self.experiment, round=rnd, sender="evil", inc=inc_, key=msg.key
+                )
 
             dense = {k: codec.encode(codec.Dense(v)) for k, v in weights.items() if v.dtype.kind == "f"}
             cases = {
@@ -172,11 +176,17 @@ class InjectingClient(Client):
                 self.transport.publish(KEY_UPDATE, body)
                 self.injected.append(reason)
             # a refusal in device 2's name would drop it from the round (and change the model)
-            refusal = Reject(device_id=2, reason="memory", token=msg.token)
-            self.transport.publish(
-                KEY_SERVER,
-                encode(Kind.REJECT, refusal, exp=self.experiment, round=good_round, sender="evil", inc=inc),
+            refusal = Reject(device_id=2, reason="memory")
+            forged = encode(
+                Kind.REJECT,
+                refusal,
+                exp=self.experiment,
+                round=good_round,
+                sender="evil",
+                inc=inc,
+                key=msg.key,
             )
+            self.transport.publish(KEY_SERVER, forged)
             self.injected.append("forged-refusal")
             real_publish = self.transport.publish
 

@@ -17,8 +17,8 @@ from shared.schemas import (
     Update,
     decode,
     encode,
-    task_token,
-    token_ok,
+    task_key,
+    verify,
 )
 
 LIMIT = 1 << 20
@@ -51,6 +51,8 @@ def _sample(kind: Kind) -> object:
             Kind.DECISION: {"seq": 1, "accepted": True},
             Kind.ROUND_SUMMARY: {"outcome": "completed"},
             Kind.STOP: {},
+            Kind.JOIN: {"hint": "pod-7"},
+            Kind.JOIN_REPLY: {"host_id": "h1", "user": "fedfleet-host-h1", "password": "x"},
             Kind.READY: {"device_id": 1, "finish_s": 2.5, "update_bytes": 100},
             Kind.GO: {"device_id": 1, "upload": False, "reason": "deadline"},
             Kind.EVALUATE: {"device_id": 1},
@@ -137,13 +139,25 @@ def test_bad_messages_have_reasons(data: bytes, reason: str) -> None:
     assert err.value.reason == reason
 
 
-@given(st.integers(0, 10**6), st.integers(0, 10**6))
-def test_task_token_binds_device_and_round_key(a: int, b: int) -> None:
-    """A token proves "I received device a's task this round": it fails for any other device and
-    under any other round's key, and an empty key (no round open) accepts no non-empty token."""
-    key, other_key = "ab" * 16, "cd" * 16
-    token = task_token(key, a)
-    assert len(token) == 32 and token_ok(key, a, token)
-    assert token_ok(key, b, token) == (a == b)
-    assert not token_ok(other_key, a, token)
-    assert not token_ok("", a, token) and task_token("", a) == ""
+@given(st.integers(0, 10**6), st.integers(0, 10**6), st.integers(1, 50), st.binary(max_size=64))
+def test_a_devices_mac_binds_device_round_and_every_byte(a: int, b: int, rnd: int, junk: bytes) -> None:
+    """A message MAC'd with device a's task key verifies under that key only: not under another
+    device's, another round's or another round key's, and not once a single byte of it changed."""
+    round_key, other_round_key = "ab" * 16, "cd" * 16
+    key = task_key(round_key, rnd, a)
+    assert len(key) == 32 and task_key("", rnd, a) == ""
+    upd = Update(device_id=a, num_samples=3, metrics={"train_loss": 0.5})
+    data = encode(Kind.UPDATE, upd, exp="e", round=rnd, sender="d", inc="i", key=key)
+    env, _ = decode(data, max_bytes=LIMIT)
+    assert verify(env, key)
+    assert verify(env, task_key(round_key, rnd, b)) == (a == b)
+    assert not verify(env, task_key(round_key, rnd + 1, a))
+    assert not verify(env, task_key(other_round_key, rnd, a))
+    assert not verify(env, "")
+    altered = env.model_copy(update={"body": env.body[:-1] + bytes([env.body[-1] ^ 1])})
+    assert not verify(altered, key)
+    assert not verify(env.model_copy(update={"round": rnd + 1}), key)  # replayed into another round
+    # a copy without the MAC, or with a MAC of other bytes, never verifies
+    assert not verify(env.model_copy(update={"mac": b""}), key)
+    other = encode(Kind.UPDATE, upd, exp="e", round=rnd, sender="d", inc="i", key=key) + junk
+    assert decode(other[: len(data)], max_bytes=LIMIT)[0].mac == env.mac

@@ -397,13 +397,14 @@ def _update_bytes(
         metrics=dict.fromkeys(metrics, 0.0),
         task_bytes=task_bytes,
         timings={"download_s": 0.0, "compute_s": 0.0, "upload_s": 0.0},
-        token="0" * 32,  # the task token the device echoes (always 32 hex characters)
     )
-    return len(encode(Kind.UPDATE, body, exp=exp_id, round=1, sender="device-0", inc="0" * 12))
+    # MAC'd with the device's task key (always 16 bytes)
+    key = "0" * 32
+    return len(encode(Kind.UPDATE, body, exp=exp_id, round=1, sender="device-0", inc="0" * 12, key=key))
 
 
 def _task_bytes(exp_id: str, tensors: Mapping[str, codec.Tensor]) -> int:
-    body = Task(device_id=0, tensors=encode_tensors(dict(tensors))[0], token="0" * 32)
+    body = Task(device_id=0, tensors=encode_tensors(dict(tensors))[0], key="0" * 32)
     return len(encode(Kind.TASK, body, exp=exp_id, round=1, sender="server", inc="0" * 12))
 
 

@@ -20,9 +20,9 @@ from typing import Any
 from services.common import MessageHandler, ServiceBase, decode_tensors, encode_tensors
 from shared import codec, metrics
 from shared.algorithms.base import Partial, Strategy, UpdateSpec
-from shared.schemas import Decision, Envelope, Kind, Receipt, RoundOpen, Update, token_ok
+from shared.schemas import Decision, Envelope, Kind, Receipt, RoundOpen, Update, task_key, verify
 from shared.schemas import Partial as PartialMsg
-from shared.transport import KEY_AGGREGATORS, KEY_SERVER, Delivery, Transport, key_aggregator
+from shared.transport import KEY_AGGREGATORS, KEY_SERVER, KEY_UPDATE, Delivery, Transport, key_aggregator
 
 REQUEUE_PAUSE_S = 0.05
 
@@ -60,13 +60,17 @@ class Aggregator(ServiceBase):
         self.inc = ""
         self.round = -1
         self.selected: set[int] = set()
-        self.round_key = ""  # the open round's task-token key (RoundOpen)
+        self.round_key = ""  # the open round's key, from which each device's task key derives
+        self.holders: dict[int, str] = {}  # the host serving each selected device (RoundOpen)
         self.batch = _Batch()
         self.pending: dict[int, _Batch] = {}
         self.seen: set[int] = set()  # devices reduced in the current round by this aggregator
         self.seq = 0
         names = transport.names
-        transport.declare_queue(names.updates_queue, ["update"])
+        if self.strict:  # the server owns the updates queue; an aggregator may only consume it
+            transport.wait_for_queue(names.updates_queue)
+        else:
+            transport.declare_queue(names.updates_queue, [KEY_UPDATE])
         own = names.aggregator_queue(self.aggregator_id)
         transport.declare_queue(own, [KEY_AGGREGATORS, key_aggregator(self.aggregator_id)], expires_s=600)
         control: dict[Kind, MessageHandler] = {
@@ -100,6 +104,7 @@ class Aggregator(ServiceBase):
         self.seen.clear()
         self.inc, self.round, self.selected = env.inc, env.round, set(msg.selected)
         self.round_key = msg.round_key
+        self.holders = msg.holder()
         d.ack()
 
     def on_flush(self, env: Envelope, msg: Any, d: Delivery) -> None:
@@ -180,9 +185,11 @@ class Aggregator(ServiceBase):
             self.reject(d, "unknown-round", f"round {env.round}/{env.inc} is not the open round {self.round}")
         elif msg.device_id not in self.selected:
             self.reject(d, "unknown-device", f"device {msg.device_id} was not selected for round {env.round}")
-        elif not token_ok(self.round_key, msg.device_id, msg.token):
+        elif not verify(env, task_key(self.round_key, env.round, msg.device_id)):
+            self.reject(d, "forged", f"update for device {msg.device_id} does not carry its task key's MAC")
+        elif self.strict and self.holders.get(msg.device_id) != self.sender(d).host_id:
             self.reject(
-                d, "forged", f"update for device {msg.device_id} does not carry that device's task token"
+                d, "not-leased", f"update for device {msg.device_id} from {self.sender(d)}, not its host"
             )
         elif not d.redelivered and msg.device_id in self.seen:
             self.reject(d, "duplicate", f"second update from device {msg.device_id} in round {env.round}")

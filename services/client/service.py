@@ -66,7 +66,6 @@ from shared.transport import (
     Transport,
     Unroutable,
     key_host,
-    key_task,
 )
 
 
@@ -221,19 +220,17 @@ class Client(ServiceBase):
             self.stopped = True
 
     def _apply_lease(self, devices: set[int]) -> None:
-        """Serve exactly ``devices``: bind the new ones' task keys and load their data; unbind and
-        forget the others (their state is already with the server)."""
+        """Serve exactly ``devices``: load the new ones' data, forget the others (their state is already
+        with the server). Their tasks come to this host's own key, whichever devices it serves."""
         unknown = sorted(dev for dev in devices if dev not in self.fleet)
         if unknown:
             raise ValueError(f"lease names devices outside the fleet: {unknown[:5]}")
         for dev in sorted(set(self.data) - devices):
-            self.transport.unbind(self.queue, key_task(dev))
             del self.data[dev]
             shutil.rmtree(self._device_dir(dev), ignore_errors=True)
         for dev in sorted(devices - set(self.data)):
             self.data[dev] = self.exp.device_data(dev)
             self._create_series(self.fleet[dev])
-            self.transport.bind(self.queue, key_task(dev))
         self.log.info(
             "serving %d devices (lease %d)", len(self.data), self.epoch + 1, extra={"event": "lease_applied"}
         )
@@ -266,16 +263,18 @@ class Client(ServiceBase):
         if self.on_stop_mode == "idle":
             # a Kubernetes pod must not exit when the run ends (its controller would restart it):
             # it stays up, serving /metrics, doing nothing more
-            for dev in self.device_ids:
-                self.transport.unbind(self.queue, key_task(dev))
             self.data.clear()
             self.idle = True
             self.log.info("the experiment is over; idle", extra={"event": "client_idle"})
         else:
             self.stopped = True
 
-    def _notify(self, env: Envelope, dev: int, body: Reject | Ready, kind: Kind) -> None:
-        self.send(KEY_SERVER, kind, body, round=env.round, inc=env.inc, sender=f"device-{dev}")
+    def _notify(self, env: Envelope, msg: Task, body: Reject | Ready | EvalResult, kind: Kind) -> None:
+        """A device's answer to its task, MAC'd with the task's key (only that task carried it)."""
+        dev = msg.device_id
+        self.send(
+            KEY_SERVER, kind, body, round=env.round, inc=env.inc, sender=f"device-{dev}", mac_key=msg.key
+        )
 
     def _observe(self, metric: Any, tier: str, seconds: float, real_s: float | None, **labels: str) -> None:
         metric.labels(self.experiment, self.algorithm, tier, *labels.values(), "virtual").observe(seconds)
@@ -319,9 +318,8 @@ class Client(ServiceBase):
             footprint_bytes=verdict.footprint_bytes,
             budget_bytes=verdict.budget_bytes,
             task_bytes=task_bytes,
-            token=msg.token,
         )
-        self._notify(env, dev, refusal, Kind.REJECT)
+        self._notify(env, msg, refusal, Kind.REJECT)
         return False
 
     def _download(self, task: TaskSpec, device: Device, task_bytes: int) -> float:
@@ -345,8 +343,8 @@ class Client(ServiceBase):
         if self.emulation.time_mode != "real":
             # In virtual time the server's deadline would pass at no cost; tell it now instead of
             # making it wait in wall time. In real mode the device just goes silent.
-            notice = Reject(device_id=dev, reason="dropout", task_bytes=task_bytes, token=msg.token)
-            self._notify(env, dev, notice, Kind.REJECT)
+            notice = Reject(device_id=dev, reason="dropout", task_bytes=task_bytes)
+            self._notify(env, msg, notice, Kind.REJECT)
         return True
 
     def _train(self, env: Envelope, task: TaskSpec, device: Device) -> tuple[UpdateSpec, float]:
@@ -405,10 +403,15 @@ class Client(ServiceBase):
                 metrics=update.metrics,
                 task_bytes=task_bytes,
                 timings=Timings(download_s=down_s, compute_s=compute_s, upload_s=up_s),
-                token=msg.token,
             )
             return encode(
-                Kind.UPDATE, upd, exp=self.experiment, round=env.round, sender=f"device-{dev}", inc=env.inc
+                Kind.UPDATE,
+                upd,
+                exp=self.experiment,
+                round=env.round,
+                sender=f"device-{dev}",
+                inc=env.inc,
+                key=msg.key,
             )
 
         # the wire size is known once encoded (timings are fixed-size floats, so filling them in
@@ -417,10 +420,8 @@ class Client(ServiceBase):
         data = body(up_s)
         if self.ready_protocol:
             self.held[(env.inc, env.round, dev)] = _Held(data, dense, up_s, device)
-            ready = Ready(
-                device_id=dev, finish_s=down_s + compute_s + up_s, update_bytes=len(data), token=msg.token
-            )
-            self._notify(env, dev, ready, Kind.READY)
+            ready = Ready(device_id=dev, finish_s=down_s + compute_s + up_s, update_bytes=len(data))
+            self._notify(env, msg, ready, Kind.READY)
         else:
             self._upload(data, dense, device, up_s)
 
@@ -453,8 +454,8 @@ class Client(ServiceBase):
             return
         task = TaskSpec(decode_tensors(msg.tensors), dict(msg.config))
         result = self.strategy.evaluate_device(task, self._context(dev, env.round))
-        body = EvalResult(device_id=dev, supported=result is not None, metrics=result or {}, token=msg.token)
-        self.send(KEY_SERVER, Kind.EVAL_RESULT, body, round=env.round, inc=env.inc, sender=f"device-{dev}")
+        body = EvalResult(device_id=dev, supported=result is not None, metrics=result or {})
+        self._notify(env, msg, body, Kind.EVAL_RESULT)
         d.ack()
 
     def on_go(self, env: Envelope, msg: Go, d: Delivery) -> None:

@@ -62,8 +62,8 @@ from shared.schemas import (
     Stop,
     Task,
     encode,
-    task_token,
-    token_ok,
+    task_key,
+    verify,
 )
 from shared.schemas import Partial as PartialMsg
 from shared.schemas import _Body as Body
@@ -76,7 +76,7 @@ from shared.transport import (
     Transport,
     Unroutable,
     key_aggregator,
-    key_task,
+    key_host,
 )
 
 FLUSH_RETRY_S = 1.0
@@ -202,14 +202,24 @@ class Server(ServiceBase):
         return {d.device_id: min(d.profile.memory_bytes, full) for d in exp.fleet}
 
     def on_heartbeat(self, env: Envelope, msg: Heartbeat, d: Delivery) -> None:
+        sender = self.sender(d)
+        if self.strict and msg.host_id != sender.host_id:
+            self.reject(d, "wrong-sender", f"heartbeat for host {msg.host_id} from {sender}")
+            return
         # an epoch is only meaningful in the incarnation that issued it (a restart starts over)
         epoch = msg.epoch if env.inc == self.incarnation else -1
         self.leases.heartbeat(msg, epoch, time.time())
         d.ack()
 
+    def _host(self, env: Envelope, d: Delivery) -> str:
+        """The host a message comes from: its broker user's (strict), its own word (dev mode)."""
+        sender = self.sender(d)
+        return sender.host_id or "" if self.strict else env.sender
+
     def on_device_state(self, env: Envelope, msg: DeviceState, d: Delivery) -> None:
-        if not self.leases.device_state(env.sender, msg):
-            self.reject(d, "not-leased", f"{env.sender} does not hold device {msg.device_id}")
+        host = self._host(env, d)
+        if not self.leases.device_state(host, msg):
+            self.reject(d, "not-leased", f"{host} does not hold device {msg.device_id}")
             return
         d.ack()
 
@@ -229,7 +239,7 @@ class Server(ServiceBase):
         if rs is None or not rs.is_selected(msg.device_id):
             d.ack()
             return
-        if self._forged(rs.key, msg.device_id, msg.token, d, "refusal"):
+        if self._forged(env, rs.key, msg.device_id, d, "refusal"):
             return
         if msg.reason == "dropout":
             # a virtual-time dropout notice: the device will never answer (see the client)
@@ -249,7 +259,7 @@ class Server(ServiceBase):
     def on_ready(self, env: Envelope, msg: Ready, d: Delivery) -> None:
         rs = self._open(env)
         if rs is not None and rs.is_selected(msg.device_id) and not rs.go_sent:
-            if self._forged(rs.key, msg.device_id, msg.token, d, "ready"):
+            if self._forged(env, rs.key, msg.device_id, d, "ready"):
                 return
             rs.readies[msg.device_id] = msg
         d.ack()
@@ -288,17 +298,22 @@ class Server(ServiceBase):
             and env.inc == self.incarnation
             and msg.device_id in ev.expected
         ):
-            if self._forged(ev.key, msg.device_id, msg.token, d, "evaluation result"):
+            if self._forged(env, ev.key, msg.device_id, d, "evaluation result"):
                 return
             ev.results[msg.device_id] = msg
         d.ack()
 
-    def _forged(self, key: str, device_id: int, token: str, d: Delivery, what: str) -> bool:
-        """Dead-letter (reason ``forged``) a message whose token is not the device's task token."""
-        if token_ok(key, device_id, token):
-            return False
-        self.reject(d, "forged", f"{what} for device {device_id} does not carry that device's task token")
-        return True
+    def _forged(self, env: Envelope, round_key: str, device_id: int, d: Delivery, what: str) -> bool:
+        """Dead-letter a device's message that is not its own: ``forged`` when it lacks the MAC of its
+        bytes under the device's task key, ``not-leased`` when its host does not hold the device."""
+        if not verify(env, task_key(round_key, env.round, device_id)):
+            self.reject(d, "forged", f"{what} for device {device_id} does not carry its task key's MAC")
+            return True
+        host = self.leases.table.host_of(device_id)
+        if self.strict and host != self.sender(d).host_id:
+            self.reject(d, "not-leased", f"{what} for device {device_id} from {self.sender(d)}, not its host")
+            return True
+        return False
 
     # -- timers: one method per phase ------------------------------------------------------------
     def tick(self) -> None:
@@ -426,7 +441,8 @@ class Server(ServiceBase):
         started = time.time()
         deadline = started + self.cfg.round_timeout_s
         key = secrets.token_hex(16)
-        announcement = RoundOpen(selected=selected, deadline_unix=deadline, round_key=key)
+        holders = [self.leases.table.host_of(dev) or "" for dev in selected]
+        announcement = RoundOpen(selected=selected, deadline_unix=deadline, round_key=key, holders=holders)
         try:
             self.send(KEY_AGGREGATORS, Kind.ROUND_OPEN, announcement, round=number, inc=self.incarnation)
         except Unroutable:
@@ -490,12 +506,18 @@ class Server(ServiceBase):
             if id(spec) not in encoded:
                 encoded[id(spec)] = encode_tensors(spec.tensors)
             tensors, dense = encoded[id(spec)]
-            body = Task(device_id=dev, tensors=tensors, config=spec.config, token=task_token(key, dev))
+            body = Task(
+                device_id=dev, tensors=tensors, config=spec.config, key=task_key(key, self.round, dev)
+            )
             data = encode(
                 kind, body, exp=self.experiment, round=self.round, sender=self.service, inc=self.incarnation
             )
-            batch.append((key_task(dev), data, dense))
+            batch.append((self._route(dev), data, dense))
         return batch
+
+    def _route(self, device: int) -> str:
+        """Where a device's messages go: its host's key (only that host may read it)."""
+        return key_host(self.leases.table.host_of(device) or "-")
 
     def _decide_uploads(self, rs: RoundState) -> None:
         """Keep the first ``devices_per_round`` finishers within the emulated deadline; discard the rest.
@@ -517,7 +539,7 @@ class Server(ServiceBase):
             if not upload:
                 rs.discarded[ready.device_id] = reason
             go = Go(device_id=ready.device_id, upload=upload, reason=reason)
-            self._send_quietly(key_task(ready.device_id), Kind.GO, go)
+            self._send_quietly(self._route(ready.device_id), Kind.GO, go)
 
     def _announce(self, rs: RoundState, now: float) -> None:
         """Send the open round's ``round_open`` again (aggregators ignore a repeat).

@@ -25,11 +25,14 @@ from shared import codec
 
 #: Bump when a message changes incompatibly; receivers dead-letter other versions.
 #: 2: client processes are hosts that lease devices (``heartbeat``, ``lease``, ``device_state``
-#: replace ``register``).
-SCHEMA_VERSION = 2
+#: replace ``register``). 3: the body travels as bytes with a MAC over them (``task_key``), tasks
+#: carry a per-task key instead of a token; ``join`` asks for a host's own broker user.
+SCHEMA_VERSION = 3
 
 
 class Kind(StrEnum):
+    JOIN = "join"
+    JOIN_REPLY = "join_reply"
     HEARTBEAT = "heartbeat"
     LEASE = "lease"
     DEVICE_STATE = "device_state"
@@ -163,13 +166,39 @@ class DeviceState(_Body):
     files: dict[StateFileName, bytes] = Field(default_factory=dict, max_length=1024)
 
 
+class Join(_Body):
+    """A new client process → server (from the shared join user): give me a broker user of my own.
+
+    Sent with ``reply_to`` set to RabbitMQ's direct reply-to pseudo-queue, so only the asking
+    connection can read the answer (a :class:`JoinReply`).
+    """
+
+    #: a name the host suggests for itself (its pod name), for logs; the server picks the identity
+    hint: str = Field("", max_length=100)
+
+
+class JoinReply(_Body):
+    """Server → the joining connection only: the host's identity and its broker credentials."""
+
+    host_id: HostId
+    user: str = Field(max_length=200)
+    password: str = Field(max_length=200)
+
+
 class RoundOpen(_Body):
     """Server → aggregators: which devices may send updates for this round and incarnation."""
 
     selected: list[int]
     deadline_unix: float
-    #: this round's key for :func:`task_token` (hex); aggregators check each update's token with it
+    #: this round's key (hex): a device's task key is derived from it (:func:`task_key`), and an
+    #: update's MAC made with that key proves it comes from that device's task, unaltered
     round_key: str = ""
+    #: the host serving each selected device (same order as ``selected``): an update is accepted only
+    #: from that host's broker user
+    holders: list[str] = Field(default_factory=list)
+
+    def holder(self) -> dict[int, str]:
+        return dict(zip(self.selected, self.holders, strict=False))
 
 
 class Task(_Body):
@@ -178,8 +207,10 @@ class Task(_Body):
     device_id: int = Field(ge=0)
     tensors: dict[str, EncodedTensor] = Field(default_factory=dict)
     config: dict[str, Any] = Field(default_factory=dict)
-    #: :func:`task_token` of this device for this round: the device echoes it in what it sends back
-    token: str = ""
+    #: this device's key for this round (:func:`task_key`, hex): what it sends back carries a MAC
+    #: made with it. Only the device's host can read its tasks; the round key never leaves the
+    #: server and the aggregators.
+    key: str = ""
 
 
 class Update(_Body):
@@ -193,8 +224,6 @@ class Update(_Body):
     task_bytes: int = Field(0, ge=0)
     #: emulated seconds: download, compute, upload (virtual clock)
     timings: Timings = Field(default_factory=Timings)
-    #: the task's token (:func:`task_token`), echoed back: proves the sender received this device's task
-    token: str = ""
 
 
 class Receipt(_Body):
@@ -218,8 +247,6 @@ class Reject(_Body):
     footprint_bytes: int = Field(0, ge=0)
     budget_bytes: int = Field(0, ge=0)
     task_bytes: int = Field(0, ge=0)
-    #: the task's token (:func:`task_token`), echoed back: proves the sender received this device's task
-    token: str = ""
 
 
 class Ready(_Body):
@@ -233,8 +260,6 @@ class Ready(_Body):
     device_id: int = Field(ge=0)
     finish_s: float = Field(ge=0)
     update_bytes: int = Field(ge=0)
-    #: the task's token (:func:`task_token`), echoed back: proves the sender received this device's task
-    token: str = ""
 
 
 class Go(_Body):
@@ -252,8 +277,6 @@ class EvalResult(_Body):
     #: False when the algorithm keeps no personalised model (nothing was evaluated)
     supported: bool = True
     metrics: Metrics = Field(default_factory=dict)
-    #: the task's token (:func:`task_token`), echoed back: proves the sender received this device's task
-    token: str = ""
 
 
 class Flush(_Body):
@@ -299,6 +322,8 @@ class Stop(_Body):
 
 
 BODY_MODELS: dict[Kind, type[_Body]] = {
+    Kind.JOIN: Join,
+    Kind.JOIN_REPLY: JoinReply,
     Kind.HEARTBEAT: Heartbeat,
     Kind.LEASE: Lease,
     Kind.DEVICE_STATE: DeviceState,
@@ -320,7 +345,12 @@ BODY_MODELS: dict[Kind, type[_Body]] = {
 
 
 class Envelope(BaseModel):
-    """What every message on the wire looks like."""
+    """What every message on the wire looks like: routing facts, then the body as bytes.
+
+    Why bytes: a MAC (``mac``) must cover exactly what was sent, and a map re-encoded after decoding
+    need not reproduce the same bytes. ``sender`` is the sender's word for itself, for logs only; who
+    really sent a message is the broker-validated ``user_id`` of the delivery.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
@@ -331,7 +361,9 @@ class Envelope(BaseModel):
     round: int = Field(ge=0)
     sender: str
     id: str
-    body: dict[str, Any]
+    body: bytes
+    #: HMAC-SHA256 (128 bits) of the message under the device's task key; empty when not a device's
+    mac: bytes = b""
 
 
 class DecodeError(ValueError):
@@ -342,32 +374,52 @@ class DecodeError(ValueError):
         self.reason = reason
 
 
-def task_token(key: str, device_id: int) -> str:
-    """The token of ``device_id``'s task under a round's ``key``: HMAC-SHA256, 128 bits, hex.
+def task_key(round_key: str, round: int, device_id: int) -> str:
+    """The key of ``device_id``'s task in ``round`` (hex, 128 bits), derived from the round's key.
 
     Why: the routing key of an update says nothing about who sent it, and the device id in its body
-    is whatever the sender wrote. Only the server and the aggregators know the round's key, and a
-    device's token travels only in that device's task, so a client cannot send an update (or a
-    refusal, a ready or an evaluation result) in the name of a device whose task it never received.
-    An empty ``key`` (no round open) gives an empty token.
+    is whatever the sender wrote. The round key stays with the server and the aggregators; a device's
+    task key travels only in that device's task, which only its host can read. What the device sends
+    back is MAC'd with it, so nobody else can speak for the device, and an altered copy of what it
+    sent fails the check. An empty ``round_key`` (no round open) gives an empty key.
     """
-    if not key:
+    if not round_key:
         return ""
-    return hmac.new(bytes.fromhex(key), str(device_id).encode(), hashlib.sha256).hexdigest()[:32]
+    msg = f"{round}:{device_id}".encode()
+    return hmac.new(bytes.fromhex(round_key), msg, hashlib.sha256).hexdigest()[:32]
 
 
-def token_ok(key: str, device_id: int, token: str) -> bool:
-    """Whether ``token`` is ``device_id``'s token under ``key`` (constant-time comparison)."""
-    return hmac.compare_digest(task_token(key, device_id), token)
+def _mac(key: str, kind: Kind, exp: str, round: int, inc: str, body: bytes) -> bytes:
+    head = f"{kind.value}|{exp}|{round}|{inc}|".encode()
+    return hmac.new(bytes.fromhex(key), head + body, hashlib.sha256).digest()[:16]
+
+
+def verify(env: Envelope, key: str) -> bool:
+    """Whether ``env`` carries the MAC of its own bytes under ``key`` (constant time)."""
+    if not key or len(env.mac) != 16:
+        return False
+    return hmac.compare_digest(_mac(key, env.kind, env.exp, env.round, env.inc, env.body), env.mac)
 
 
 def encode(
-    kind: Kind, body: _Body, *, exp: str, round: int, sender: str, inc: str = "", msg_id: str | None = None
+    kind: Kind,
+    body: _Body,
+    *,
+    exp: str,
+    round: int,
+    sender: str,
+    inc: str = "",
+    msg_id: str | None = None,
+    key: str = "",
 ) -> bytes:
-    """Serialize one message. ``model_dump`` keeps bytes/memoryview tensor buffers as they are."""
+    """Serialize one message; with ``key`` (a device's task key) it carries a MAC of its bytes.
+
+    ``model_dump`` keeps bytes/memoryview tensor buffers as they are.
+    """
     if not isinstance(body, BODY_MODELS[kind]):
         raise TypeError(f"{kind} needs a {BODY_MODELS[kind].__name__}, got {type(body).__name__}")
-    env = {
+    packed = codec.packb(body.model_dump())
+    env: dict[str, Any] = {
         "v": SCHEMA_VERSION,
         "kind": kind.value,
         "exp": exp,
@@ -375,8 +427,10 @@ def encode(
         "round": round,
         "sender": sender,
         "id": msg_id or uuid.uuid4().hex,
-        "body": body.model_dump(),
+        "body": packed,
     }
+    if key:
+        env["mac"] = _mac(key, kind, exp, round, inc, packed)
     return codec.packb(env)
 
 
@@ -395,7 +449,11 @@ def decode(data: bytes, *, max_bytes: int) -> tuple[Envelope, Any]:
             "schema", f"schema version {env.v} not supported (this build speaks {SCHEMA_VERSION})"
         )
     try:
-        body = BODY_MODELS[env.kind].model_validate(env.body)
+        fields = codec.unpackb(env.body, max_bytes=max_bytes)
+    except codec.CodecError as err:
+        raise DecodeError(err.reason, f"{env.kind.value} body: {err}") from None
+    try:
+        body = BODY_MODELS[env.kind].model_validate(fields)
     except ValidationError as err:
         raise DecodeError("schema", f"{env.kind.value} body: {_short(err)}") from None
     return env, body

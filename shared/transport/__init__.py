@@ -3,6 +3,7 @@
 from shared.transport.base import (
     KEY_AGGREGATORS,
     KEY_CLIENTS,
+    KEY_JOIN,
     KEY_SERVER,
     KEY_UPDATE,
     Delivery,
@@ -12,13 +13,13 @@ from shared.transport.base import (
     Unroutable,
     key_aggregator,
     key_host,
-    key_task,
     names,
 )
 
 __all__ = [
     "KEY_AGGREGATORS",
     "KEY_CLIENTS",
+    "KEY_JOIN",
     "KEY_SERVER",
     "KEY_UPDATE",
     "Delivery",
@@ -28,6 +29,5 @@ __all__ = [
     "Unroutable",
     "key_aggregator",
     "key_host",
-    "key_task",
     "names",
 ]

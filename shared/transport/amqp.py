@@ -4,6 +4,11 @@ Reliability choices, each because a service relies on it:
 
 * durable exchange and queues, persistent messages (``delivery_mode=2``): a broker restart loses
   nothing that was confirmed;
+* every publish carries the connection's user as ``user_id``, which RabbitMQ validates: receivers
+  know who sent a message (``Delivery.user_id``, see ``shared.identity``);
+* only the experiment's owner (the server) declares the exchange, the dead-letter exchange and queue;
+  with ``declare_topology=False`` a service checks they exist (a passive declare needs no permission)
+  and waits for them, so least-privilege users never need the right to create or delete them;
 * publisher confirms and ``mandatory=True``: ``publish`` returns only once the broker has the message,
   and a message no queue is bound for raises ``Unroutable`` instead of vanishing (the server treats a
   task nobody can receive as a dropout);
@@ -74,9 +79,12 @@ class AmqpTransport(Transport):
         *,
         reconnect_timeout_s: float = 120.0,
         heartbeat_s: int = 30,
+        declare_topology: bool = True,
     ) -> None:
         super().__init__(experiment)
         self.url = url
+        self.user = pika.URLParameters(url).credentials.username
+        self.declare_topology = declare_topology
         self.reconnect_timeout_s = reconnect_timeout_s
         self.heartbeat_s = heartbeat_s
         self._queues: dict[str, list[str]] = {}
@@ -102,10 +110,13 @@ class AmqpTransport(Transport):
         self._conn = pika.BlockingConnection(params)
         ch = self._conn.channel()
         ch.confirm_delivery()
-        ch.exchange_declare(self.names.exchange, exchange_type="direct", durable=True)
-        ch.exchange_declare(self.names.dead_letter_exchange, exchange_type="fanout", durable=True)
-        ch.queue_declare(self.names.dead_letter_queue, durable=True)
-        ch.queue_bind(self.names.dead_letter_queue, self.names.dead_letter_exchange)
+        if self.declare_topology:
+            ch.exchange_declare(self.names.exchange, exchange_type="topic", durable=True)
+            ch.exchange_declare(self.names.dead_letter_exchange, exchange_type="fanout", durable=True)
+            ch.queue_declare(self.names.dead_letter_queue, durable=True)
+            ch.queue_bind(self.names.dead_letter_queue, self.names.dead_letter_exchange)
+        else:
+            ch = self._await_topology(ch)
         self._ch = ch
         self._generation += 1
         # deliveries of the lost channel can no longer be acked; the broker redelivers them
@@ -114,6 +125,27 @@ class AmqpTransport(Transport):
             self._declare(queue, keys)
         for queue, handler, prefetch in self._consumers:
             self._start_consumer(queue, handler, prefetch)
+
+    def _await_topology(self, ch: BlockingChannel) -> BlockingChannel:
+        """Wait until the owner has declared the experiment's exchanges (passive declares: a channel
+        that finds one missing is closed by the broker, so each try uses a fresh one)."""
+        assert self._conn is not None
+        deadline = time.monotonic() + self.reconnect_timeout_s
+        while True:
+            try:
+                ch.exchange_declare(self.names.exchange, passive=True)
+                ch.exchange_declare(self.names.dead_letter_exchange, passive=True)
+                return ch
+            except pika.exceptions.ChannelClosedByBroker as err:
+                if err.reply_code != 404 or time.monotonic() > deadline:
+                    raise
+                log.info(
+                    "waiting for the server to create the experiment's exchange",
+                    extra={"event": "amqp_await_topology"},
+                )
+                self._conn.sleep(0.5)
+                ch = self._conn.channel()
+                ch.confirm_delivery()
 
     def _connect(self, first: bool = False) -> None:
         deadline = time.monotonic() + self.reconnect_timeout_s
@@ -169,6 +201,21 @@ class AmqpTransport(Transport):
     def bind(self, queue: str, key: str) -> None:
         self.declare_queue(queue, [key])
 
+    def wait_for_queue(self, queue: str) -> None:
+        deadline = time.monotonic() + self.reconnect_timeout_s
+        while True:
+            try:
+                self.channel.queue_declare(queue, passive=True)
+                return
+            except pika.exceptions.ChannelClosedByBroker as err:
+                if err.reply_code != 404 or time.monotonic() > deadline:
+                    raise
+                assert self._conn is not None
+                log.info("waiting for queue %s", queue, extra={"event": "amqp_await_queue"})
+                self._conn.sleep(0.5)
+                self._ch = self._conn.channel()
+                self._ch.confirm_delivery()
+
     def unbind(self, queue: str, key: str) -> None:
         keys = self._queues.get(queue, [])
         if key in keys:
@@ -177,7 +224,7 @@ class AmqpTransport(Transport):
 
     # -- publishing ------------------------------------------------------------------------------
     def publish(self, key: str, body: bytes, headers: dict[str, Any] | None = None) -> None:
-        props = BasicProperties(delivery_mode=2, headers=headers or None)
+        props = BasicProperties(delivery_mode=2, headers=headers or None, user_id=self.user)
 
         def _pub() -> None:
             try:
@@ -201,7 +248,7 @@ class AmqpTransport(Transport):
         return self._tx
 
     def publish_many(self, items: Sequence[tuple[str, bytes]]) -> set[str]:
-        props = BasicProperties(delivery_mode=2)
+        props = BasicProperties(delivery_mode=2, user_id=self.user)
 
         def _pub() -> set[str]:
             ch = self._batch_channel()
@@ -243,6 +290,7 @@ class AmqpTransport(Transport):
                 routing_key=method.routing_key or "",
                 redelivered=bool(method.redelivered),
                 headers=dict(props.headers or {}),
+                user_id=props.user_id,
                 _ack=ack,
                 _nack=nack,
             )
@@ -279,7 +327,10 @@ class AmqpTransport(Transport):
                 "x-original-key": delivery.routing_key,
             }
         )
-        props = BasicProperties(delivery_mode=2, headers=headers)
+        # the original sender stays readable in a header; the dead letter itself is published by us
+        if delivery.user_id:
+            headers["x-fedfleet-user"] = delivery.user_id
+        props = BasicProperties(delivery_mode=2, headers=headers, user_id=self.user)
         self._with_reconnect(
             lambda: self.channel.basic_publish(self.names.dead_letter_exchange, "", delivery.body, props)
         )

@@ -2,8 +2,9 @@
 
 Why an interface with two implementations: the services must run unchanged over RabbitMQ (separate
 processes, the real thing) and in one process (fast unit tests, single-process runs). Both give the
-same semantics the services rely on: durable named queues bound to routing keys on one direct
-exchange per experiment (several queues on one key all get a copy — that is how broadcasts work),
+same semantics the services rely on: durable named queues bound to routing keys on one topic
+exchange per experiment (bound with exact keys; several queues on one key all get a copy — that is
+how broadcasts work; a topic exchange lets the broker restrict each user's keys),
 manual acks after processing, redelivery of unacked messages with ``redelivered=True``, and a
 dead-letter queue that receives messages with the reason in a header.
 """
@@ -60,17 +61,17 @@ KEY_AGGREGATORS = "aggregators"  # broadcast to every aggregator
 KEY_CLIENTS = "clients"  # broadcast to every client process
 
 
-def key_task(device_id: int) -> str:
-    return f"task.{device_id}"
-
-
 def key_aggregator(agg_id: str) -> str:
     return f"agg.{agg_id}"
 
 
 def key_host(host_id: str) -> str:
-    """A client host's own key: its device leases and the device state it is handed."""
+    """A client host's own key: its leases, its devices' state and tasks, ``go`` and evaluations."""
     return f"host.{host_id}"
+
+
+#: a new host's request for a broker user of its own (answered by direct reply-to)
+KEY_JOIN = "join"
 
 
 @dataclass
@@ -81,6 +82,8 @@ class Delivery:
     routing_key: str
     redelivered: bool
     headers: dict[str, Any] = field(default_factory=dict)
+    #: the publisher's broker user, as the broker validated it (None: the publisher set none)
+    user_id: str | None = None
     _ack: Callable[[], None] = field(default=lambda: None, repr=False)
     _nack: Callable[[bool], None] = field(default=lambda requeue: None, repr=False)
     settled: bool = False
@@ -107,6 +110,8 @@ class Transport(ABC):
     """What services need from a message broker."""
 
     kind: str = "abstract"
+    #: the broker user this transport is logged in as (every message it publishes carries it)
+    user: str = ""
 
     def __init__(self, experiment: str) -> None:
         self.names = names(experiment)
@@ -118,6 +123,11 @@ class Transport(ABC):
         ``expires_s``: the broker deletes the queue after that long without consumers — for queues
         that belong to one process session, so crashed sessions leave nothing behind.
         """
+
+    @abstractmethod
+    def wait_for_queue(self, queue: str) -> None:
+        """Wait until another service has declared ``queue`` (a least-privilege user may consume a
+        queue it may not create)."""
 
     @abstractmethod
     def bind(self, queue: str, key: str) -> None: ...

@@ -7,7 +7,9 @@ experiment run in-process ends with the same global model as over RabbitMQ (only
 
 from __future__ import annotations
 
+import functools
 import itertools
+import re
 from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,6 +24,7 @@ class _Msg:
     key: str
     headers: dict[str, Any]
     redelivered: bool = False
+    user_id: str | None = None
 
 
 @dataclass
@@ -31,6 +34,18 @@ class _Consumer:
     prefetch: int
     owner: InprocTransport
     unacked: dict[int, _Msg] = field(default_factory=dict)
+
+
+@functools.lru_cache(maxsize=256)
+def _topic_regex(pattern: str) -> re.Pattern[str]:
+    words = []
+    for word in pattern.split("."):
+        words.append("[^.]+" if word == "*" else ".*" if word == "#" else re.escape(word))
+    return re.compile("^" + r"\.".join(words).replace(r"\..*", r"(\..*)?").replace(r".*\.", r"(.*\.)?") + "$")
+
+
+def _topic_match(pattern: str, key: str) -> bool:
+    return _topic_regex(pattern).match(key) is not None
 
 
 class InprocBroker:
@@ -43,11 +58,15 @@ class InprocBroker:
         self._tags = itertools.count(1)
 
     def route(self, key: str, msg: _Msg) -> None:
-        targets = self.bindings.get(key, set())
+        """Topic-exchange routing: exact binding keys, and ``*`` (one word) / ``#`` (any words)."""
+        targets = set(self.bindings.get(key, set()))
+        for pattern, queues in self.bindings.items():
+            if queues and ("*" in pattern or "#" in pattern) and _topic_match(pattern, key):
+                targets |= queues
         if not targets:
             raise Unroutable(key)
         for q in sorted(targets):
-            self.queues[q].append(_Msg(msg.body, msg.key, dict(msg.headers)))
+            self.queues[q].append(_Msg(msg.body, msg.key, dict(msg.headers), user_id=msg.user_id))
 
     def pending(self) -> int:
         return sum(len(q) for q in self.queues.values())
@@ -56,9 +75,11 @@ class InprocBroker:
 class InprocTransport(Transport):
     kind = "inproc"
 
-    def __init__(self, broker: InprocBroker, experiment: str) -> None:
+    def __init__(self, broker: InprocBroker, experiment: str, user: str = "") -> None:
         super().__init__(experiment)
         self.broker = broker
+        #: the "broker user" this connection publishes as (as RabbitMQ would validate it)
+        self.user = user
         self._consumers: list[_Consumer] = []
         dlq = self.names.dead_letter_queue
         broker.queues.setdefault(dlq, deque())
@@ -73,11 +94,15 @@ class InprocTransport(Transport):
         self.broker.queues.setdefault(queue, deque())
         self.broker.bindings[key].add(queue)
 
+    def wait_for_queue(self, queue: str) -> None:
+        """In one process the server has declared it already, or will before anything is routed."""
+        self.broker.queues.setdefault(queue, deque())
+
     def unbind(self, queue: str, key: str) -> None:
         self.broker.bindings.get(key, set()).discard(queue)
 
     def publish(self, key: str, body: bytes, headers: dict[str, Any] | None = None) -> None:
-        self.broker.route(key, _Msg(bytes(body), key, dict(headers or {})))
+        self.broker.route(key, _Msg(bytes(body), key, dict(headers or {}), user_id=self.user or None))
 
     def consume(self, queue: str, handler: Handler, prefetch: int) -> None:
         c = _Consumer(queue, handler, prefetch, self)
@@ -101,7 +126,7 @@ class InprocTransport(Transport):
                 m.redelivered = True
                 self.broker.queues[c.queue].appendleft(m)
 
-        d = Delivery(msg.body, msg.key, msg.redelivered, msg.headers, ack, nack)
+        d = Delivery(msg.body, msg.key, msg.redelivered, msg.headers, msg.user_id, ack, nack)
         c.handler(d)
         return True
 
@@ -122,7 +147,7 @@ class InprocTransport(Transport):
         headers = dict(delivery.headers)
         headers.update({"x-fedfleet-reason": reason, "x-fedfleet-detail": detail[:500]})
         self.broker.queues[self.names.dead_letter_queue].append(
-            _Msg(delivery.body, delivery.routing_key, headers)
+            _Msg(delivery.body, delivery.routing_key, headers, user_id=delivery.user_id)
         )
         delivery.ack()
 
