@@ -64,10 +64,24 @@ def _metrics_port(args: argparse.Namespace, settings: Settings, service: str) ->
     return DEFAULT_PORTS[service]
 
 
+def _settings() -> Settings:
+    """The process's settings; they also name its deployment's broker users (``user_prefix``)."""
+    from shared import identity
+
+    settings = Settings()
+    identity.configure(settings.user_prefix)
+    return settings
+
+
 def _transport(url: str, experiment: str) -> Any:
+    """A RabbitMQ connection. Logged in as a role user other than the server's, it only checks that
+    the experiment's exchanges exist (the server creates them; least privilege)."""
+    from shared.identity import Role, identify, strict
     from shared.transport.amqp import AmqpTransport
 
-    return AmqpTransport(url, experiment)
+    user = AmqpTransport.url_user(url)
+    owner = not strict(user) or identify(user).role is Role.SERVER
+    return AmqpTransport(url, experiment, declare_topology=owner)
 
 
 _TERMINATED = threading.Event()
@@ -135,7 +149,7 @@ def cmd_server(args: argparse.Namespace) -> int:
     from services.server.service import Server
     from shared import metrics
 
-    settings = Settings()
+    settings = _settings()
     setup_logging(settings.log_level)
     cfg = _load(args.config)
     exp_id = _experiment_id(args, cfg, settings)
@@ -145,11 +159,12 @@ def cmd_server(args: argparse.Namespace) -> int:
     exp = _experiment(cfg, args.config)
     metrics.serve(_metrics_port(args, settings, "server"))
     transport = _transport(settings.rabbitmq_url, exp_id)
-    server = Server(transport, exp, run_dir, experiment_id=exp_id)
+    server = Server(transport, exp, run_dir, experiment_id=exp_id, admin=_broker_admin(settings))
     _install_signal_handlers(server)
     server.run()
     transport.close()
     _linger(settings)
+    server.forget_hosts()  # the run's host users: the hosts got ``stop`` and closed meanwhile
     if server.error:
         print(server.error, file=sys.stderr)
         return 1
@@ -161,7 +176,7 @@ def cmd_aggregator(args: argparse.Namespace) -> int:
     from services.common import setup_logging
     from shared import metrics
 
-    settings = Settings()
+    settings = _settings()
     setup_logging(settings.log_level)
     cfg = _load(args.config)
     exp_id = _experiment_id(args, cfg, settings)
@@ -190,7 +205,7 @@ def cmd_client(args: argparse.Namespace) -> int:
     from services.common import setup_logging
     from shared import metrics
 
-    settings = Settings()
+    settings = _settings()
     setup_logging(settings.log_level)
     cfg = _load(args.config)
     exp_id = _experiment_id(args, cfg, settings)
@@ -202,8 +217,8 @@ def cmd_client(args: argparse.Namespace) -> int:
     capacity, memory = host_budget(
         memory_limit(), per_device_bytes(exp), exp.full_footprint_bytes, args.max_devices
     )
-    transport = _transport(settings.rabbitmq_url, exp_id)
-    client_id = _host_id(args.id)
+    url, client_id = _host_login(settings.rabbitmq_url, exp_id, args.id)
+    transport = _transport(url, exp_id)
     state_dir = Path(args.state_dir or Path("runs") / exp_id / "hosts" / client_id)
     client = Client(
         transport,
@@ -223,6 +238,39 @@ def cmd_client(args: argparse.Namespace) -> int:
     return 0
 
 
+def _broker_admin(settings: Settings) -> Any:
+    """The management API the server makes host users with (None: hosts bring their own users)."""
+    if not settings.broker_admin_url:
+        return None
+    import pika
+
+    from shared.provision import BrokerAdmin, ProvisionError
+
+    vhost = pika.URLParameters(settings.rabbitmq_url).virtual_host
+    try:
+        return BrokerAdmin(settings.broker_admin_url, vhost=vhost)
+    except ProvisionError as err:
+        console.print(f"[red]FEDFLEET_BROKER_ADMIN_URL[/red]: {err}")
+        raise SystemExit(2) from None
+
+
+def _host_login(url: str, experiment: str, given_id: str | None) -> tuple[str, str]:
+    """(broker URL, host id) of a client host. Started with the join user, it first asks the server
+    for a broker user of its own (``shared.provision``); otherwise it uses ``url`` as it is."""
+    from shared.identity import Role, identify
+    from shared.provision import ProvisionError, join, with_user
+    from shared.transport.amqp import AmqpTransport
+
+    if identify(AmqpTransport.url_user(url)).role is not Role.JOIN:
+        return url, _host_id(given_id)
+    try:
+        reply = join(url, experiment, hint=_host_id(given_id))
+    except ProvisionError as err:
+        console.print(f"[red]cannot join experiment {experiment}[/red]: {err}")
+        raise SystemExit(2) from None
+    return with_user(url, reply.user, reply.password), reply.host_id
+
+
 def cmd_healthcheck(args: argparse.Namespace) -> int:
     import urllib.request
 
@@ -238,7 +286,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = _load(args.config)
     if args.rounds:
         cfg = cfg.model_copy(update={"rounds": args.rounds})
-    settings = Settings()
+    settings = _settings()
     run_id = args.run_id or f"{cfg.name}-{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(args.runs_dir) / run_id
     if (run_dir / "summary.json").exists():

@@ -34,7 +34,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from shared.config import ExperimentConfig, dump_config
-from shared.identity import AGGREGATOR_USER, SERVER_USER, host_user
+from shared.identity import aggregator_user, host_user, server_user
 from shared.results import read_rounds
 
 if TYPE_CHECKING:  # torch stays out of the import path of ``fedfleet run``'s parent process
@@ -124,7 +124,7 @@ class InprocCluster:
             )
         else:
             self.broker, self._transport = None, transport
-        self.server = Server(self._transport(SERVER_USER), exp, run_dir, experiment_id=experiment_id)
+        self.server = Server(self._transport(server_user()), exp, run_dir, experiment_id=experiment_id)
         self.services: list[ServiceBase] = [self.server]
         #: services that stopped by themselves (a host that left, everyone at the end)
         self.exited: list[ServiceBase] = []
@@ -150,7 +150,7 @@ class InprocCluster:
         from services.aggregator.service import Aggregator
 
         agg = Aggregator(
-            self._transport(AGGREGATOR_USER),
+            self._transport(aggregator_user()),
             self.exp.strategy,
             experiment_id=self.experiment_id,
             algorithm=self.cfg.algorithm.name,

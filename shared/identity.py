@@ -29,13 +29,30 @@ from enum import StrEnum
 
 from shared.schemas import Kind
 
-#: the prefix of every fedfleet broker user
-PREFIX = "fedfleet-"
-SERVER_USER = f"{PREFIX}server"
-AGGREGATOR_USER = f"{PREFIX}aggregator"
-JOIN_USER = f"{PREFIX}join"
-HOST_PREFIX = f"{PREFIX}host-"
-_HOST = re.compile(rf"^{re.escape(HOST_PREFIX)}([A-Za-z0-9][A-Za-z0-9_.:-]*)$")
+#: the prefix of every fedfleet broker user (``FEDFLEET_USER_PREFIX``; one broker can then serve
+#: several fedfleet deployments, or test sessions, whose users do not collide)
+DEFAULT_PREFIX = "fedfleet-"
+_prefix = DEFAULT_PREFIX
+
+
+def configure(prefix: str) -> None:
+    """Set the user-name prefix of this process's deployment (every process of it must agree)."""
+    global _prefix
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,40}", prefix):
+        raise ValueError(f"user prefix {prefix!r}: use letters, digits, '_', '.', '-' (at most 41)")
+    _prefix = prefix
+
+
+def server_user() -> str:
+    return f"{_prefix}server"
+
+
+def aggregator_user() -> str:
+    return f"{_prefix}aggregator"
+
+
+def join_user() -> str:
+    return f"{_prefix}join"
 
 
 class Role(StrEnum):
@@ -59,21 +76,24 @@ class Sender:
 
 
 def host_user(host_id: str) -> str:
-    return f"{HOST_PREFIX}{host_id}"
+    return f"{_prefix}host-{host_id}"
+
+
+_HOST_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
 
 
 def identify(user: str | None) -> Sender:
     """The role of a broker user (``UNKNOWN`` for none or a foreign one)."""
     name = user or ""
-    if name == SERVER_USER:
+    if name == server_user():
         return Sender(name, Role.SERVER)
-    if name == AGGREGATOR_USER:
+    if name == aggregator_user():
         return Sender(name, Role.AGGREGATOR)
-    if name == JOIN_USER:
+    if name == join_user():
         return Sender(name, Role.JOIN)
-    m = _HOST.match(name)
-    if m:
-        return Sender(name, Role.HOST, m.group(1))
+    host_prefix = f"{_prefix}host-"
+    if name.startswith(host_prefix) and _HOST_ID.match(name[len(host_prefix) :]):
+        return Sender(name, Role.HOST, name[len(host_prefix) :])
     return Sender(name, Role.UNKNOWN)
 
 

@@ -461,17 +461,19 @@ def _rabbitmqctl(*args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.broker
 def test_broker_permissions_with_the_real_transport(tmp_path: Path) -> None:
-    """Create the three role users (from the rendered definitions) in a scratch vhost of the local
-    broker, run the real transport as each role, and check what must be refused is refused."""
+    """The role users with ``shared.provision``'s permissions (server, aggregator, a host made as the
+    server makes one) in a scratch vhost of the local broker: the real transport can do each role's
+    job, and what must be refused is refused (403)."""
     import pika
 
+    from shared import identity, provision
     from shared.transport import (
         KEY_AGGREGATORS,
         KEY_SERVER,
         KEY_UPDATE,
         amqp,
         key_aggregator,
-        key_task,
+        key_host,
         names,
     )
 
@@ -484,37 +486,43 @@ def test_broker_permissions_with_the_real_transport(tmp_path: Path) -> None:
     tag = uuid.uuid4().hex[:8]
     experiment = f"perm.{tag}"
     vhost = f"ff-permtest-{tag}"
-    ok(render_definitions(tmp_path, experiment))
-    defs = json.loads((tmp_path / "definitions.json").read_text())
-    users = {}
+    identity.configure(f"ffpt{tag}-")
+    perms = {
+        **provision.role_permissions(experiment),
+        identity.host_user("h1"): provision.host_permissions(experiment, "h1"),
+    }
+    users: dict[str, str] = {}
     try:
         ok(_rabbitmqctl("add_vhost", vhost))
-        for role in ("server", "aggregator", "client"):
-            user, password = f"ffpt-{tag}-{role}", PASSWORDS[f"{role.upper()}_PASSWORD"]
-            perm = permissions(defs, f"fedfleet-{role}")
-            ok(_rabbitmqctl("add_user", user, password))
+        for user, perm in perms.items():
+            ok(_rabbitmqctl("add_user", user, "pw"))
+            ok(_rabbitmqctl("set_permissions", "-p", vhost, user, perm.configure, perm.write, perm.read))
+            ex = names(experiment).exchange
             ok(
                 _rabbitmqctl(
-                    "set_permissions", "-p", vhost, user, perm["configure"], perm["write"], perm["read"]
+                    "set_topic_permissions", "-p", vhost, user, ex, perm.topic_write, perm.topic_read
                 )
             )
-            users[role] = f"amqp://{user}:{password}@127.0.0.1:5672/{vhost}"
+            users[user] = f"amqp://{user}:pw@127.0.0.1:5672/{vhost}"
+        srv_url, agg_url = users[identity.server_user()], users[identity.aggregator_user()]
+        host_url = users[identity.host_user("h1")]
 
         n = names(experiment)
-        server = amqp.AmqpTransport(users["server"], experiment)
-        aggregator = amqp.AmqpTransport(users["aggregator"], experiment)
-        client = amqp.AmqpTransport(users["client"], experiment)
+        server = amqp.AmqpTransport(srv_url, experiment)
+        aggregator = amqp.AmqpTransport(agg_url, experiment, declare_topology=False)
+        client = amqp.AmqpTransport(host_url, experiment, declare_topology=False)
         try:
             server.declare_queue(n.server_queue, [KEY_SERVER])
-            aggregator.declare_queue(n.updates_queue, [KEY_UPDATE])
+            server.declare_queue(n.updates_queue, [KEY_UPDATE])
+            aggregator.wait_for_queue(n.updates_queue)
             aggregator.declare_queue(n.aggregator_queue("a1"), [KEY_AGGREGATORS, key_aggregator("a1")])
-            client.declare_queue(n.client_queue("c0"), [key_task(0)])
+            client.declare_queue(n.client_queue("h1"), [key_host("h1")])
 
-            got: dict[str, list[bytes]] = {"agg": [], "client": [], "server": []}
+            got: dict[str, list[tuple[bytes, str | None]]] = {"agg": [], "client": [], "server": []}
 
             def collector(key: str) -> Any:
                 def handle(delivery: Any) -> None:
-                    got[key].append(delivery.body)
+                    got[key].append((delivery.body, delivery.user_id))
                     delivery.ack()
 
                 return handle
@@ -523,13 +531,13 @@ def test_broker_permissions_with_the_real_transport(tmp_path: Path) -> None:
             server.consume(n.server_queue, collector("server"), prefetch=8)
 
             def on_task(delivery: Any) -> None:
-                got["client"].append(delivery.body)
-                client.dead_letter(delivery, "test", "dead-lettering is allowed to clients")
+                got["client"].append((delivery.body, delivery.user_id))
+                client.dead_letter(delivery, "test", "dead-lettering is allowed to hosts")
 
-            client.consume(n.client_queue("c0"), on_task, prefetch=8)
-            server.publish(key_task(0), b"task")  # server -> device
-            client.publish(KEY_UPDATE, b"update")  # device -> aggregators
-            client.publish(KEY_SERVER, b"register")  # device -> server (register, reject, heartbeat)
+            client.consume(n.client_queue("h1"), on_task, prefetch=8)
+            server.publish(key_host("h1"), b"task")  # server -> host
+            client.publish(KEY_UPDATE, b"update")  # host -> aggregators
+            client.publish(KEY_SERVER, b"heartbeat")  # host -> server
             aggregator.publish(KEY_SERVER, b"receipt")  # aggregator -> server
             server.publish(KEY_AGGREGATORS, b"flush")  # server -> every aggregator
             for _ in range(20):
@@ -537,7 +545,12 @@ def test_broker_permissions_with_the_real_transport(tmp_path: Path) -> None:
                     t.process(0.05)
                 if got["agg"] and got["client"] and len(got["server"]) == 2:
                     break
-            assert got == {"agg": [b"update"], "client": [b"task"], "server": [b"register", b"receipt"]}
+            host, agg, srv = identity.host_user("h1"), identity.aggregator_user(), identity.server_user()
+            assert got == {  # each delivery names its publisher as the broker validated it
+                "agg": [(b"update", host)],
+                "client": [(b"task", srv)],
+                "server": [(b"heartbeat", host), (b"receipt", agg)],
+            }
         finally:
             for t in (client, aggregator, server):
                 t.close()
@@ -545,29 +558,39 @@ def test_broker_permissions_with_the_real_transport(tmp_path: Path) -> None:
         def refused(url: str, action: Any) -> bool:
             conn = pika.BlockingConnection(pika.URLParameters(url))
             try:
-                action(conn.channel())
-                return False
+                ch = conn.channel()
+                action(ch)
+                conn.process_data_events(0.3)  # a refused publish closes the channel asynchronously
+                return not ch.is_open
             except pika.exceptions.ChannelClosedByBroker as err:
-                assert err.reply_code == 403, err
+                assert err.reply_code in (403, 406), err
                 return True
             finally:
                 if conn.is_open:
                     conn.close()
 
         noop = lambda *a: None  # noqa: E731
-        assert refused(users["client"], lambda ch: ch.basic_consume(n.updates_queue, noop))
-        assert refused(users["client"], lambda ch: ch.basic_consume(n.server_queue, noop))
-        assert refused(users["client"], lambda ch: ch.queue_declare(n.aggregator_queue("evil"), durable=True))
-        assert refused(users["client"], lambda ch: ch.queue_purge(n.updates_queue))
-        assert refused(users["aggregator"], lambda ch: ch.basic_consume(n.client_queue("c0"), noop))
-        assert refused(users["aggregator"], lambda ch: ch.basic_consume(n.server_queue, noop))
+        q = n.client_queue("h1")
+        assert refused(host_url, lambda ch: ch.basic_consume(n.updates_queue, noop))
+        assert refused(host_url, lambda ch: ch.basic_consume(n.server_queue, noop))
+        assert refused(host_url, lambda ch: ch.queue_declare(n.aggregator_queue("evil"), durable=True))
+        assert refused(host_url, lambda ch: ch.queue_purge(n.updates_queue))
+        assert refused(host_url, lambda ch: ch.queue_bind(q, n.exchange, KEY_AGGREGATORS))
+        assert refused(host_url, lambda ch: ch.queue_bind(q, n.exchange, key_host("h2")))
+        assert refused(host_url, lambda ch: ch.basic_publish(n.exchange, KEY_AGGREGATORS, b"x"))
+        props = pika.BasicProperties(user_id=identity.server_user())  # impersonation
+        assert refused(host_url, lambda ch: ch.basic_publish(n.exchange, KEY_SERVER, b"x", props))
+        assert refused(agg_url, lambda ch: ch.basic_consume(q, noop))
+        assert refused(agg_url, lambda ch: ch.basic_consume(n.server_queue, noop))
+        assert refused(agg_url, lambda ch: ch.exchange_declare(n.exchange, "topic", durable=True))
         assert refused(
-            users["server"], lambda ch: ch.exchange_declare("ff.another-experiment", "direct", durable=True)
+            srv_url, lambda ch: ch.exchange_declare("ff.another-experiment", "topic", durable=True)
         )
     finally:
         _rabbitmqctl("delete_vhost", vhost)
-        for role in ("server", "aggregator", "client"):
-            _rabbitmqctl("delete_user", f"ffpt-{tag}-{role}")
+        for user in perms:
+            _rabbitmqctl("delete_user", user)
+        identity.configure(identity.DEFAULT_PREFIX)
 
 
 # -- Prometheus --------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ ROUNDS = 14
 NUM_DEVICES = 8
 #: the round's deadline in wall time: only a round a killed host's devices were in may wait for it
 ROUND_TIMEOUT_S = 60
-LEASE_TIMEOUT_S = 3.0
+LEASE_TIMEOUT_S = 6.0
 #: about 0.3 s of emulated compute per task, slept in real mode
 FLEET = {"preset": "uniform", "overrides": {"default": {"flops_per_s": "8MFLOP/s"}}}
 

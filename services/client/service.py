@@ -129,6 +129,7 @@ class Client(ServiceBase):
         self.lease_inc, self.epoch = "", -1
         self.leaving = False
         self.idle = False
+        self.transport_closed = False
         self.last_heartbeat = 0.0
         self.queue = transport.names.client_queue(client_id)
         # the queue outlives a crashed host only briefly; a live one consumes it all along
@@ -194,6 +195,17 @@ class Client(ServiceBase):
     def tick(self) -> None:
         if not self.idle and time.time() - self.last_heartbeat >= self.hosts_cfg.heartbeat_s:
             self.heartbeat()
+
+    def run(self, poll_s: float = 0.05) -> None:
+        while not self.stopped:
+            if self.idle:  # after the run (``on_stop: idle``): no connection, nothing to do
+                if not self.transport_closed:
+                    self.transport.close()
+                    self.transport_closed = True
+                time.sleep(max(poll_s, 0.5))
+                continue
+            self.transport.process(poll_s)
+            self.tick()
 
     def terminate(self) -> None:
         """SIGTERM: ask the server to take the devices back; exit once it has (a second SIGTERM, or
@@ -262,7 +274,8 @@ class Client(ServiceBase):
         d.ack()
         if self.on_stop_mode == "idle":
             # a Kubernetes pod must not exit when the run ends (its controller would restart it):
-            # it stays up, serving /metrics, doing nothing more
+            # it stays up, serving /metrics, doing nothing more — without a broker connection (its
+            # broker user is deleted once the run is over)
             self.data.clear()
             self.idle = True
             self.log.info("the experiment is over; idle", extra={"event": "client_idle"})

@@ -75,8 +75,8 @@ class Leases:
         return True
 
     # -- timers ------------------------------------------------------------------------------------
-    def expire(self, now: float) -> list[Host]:
-        """Forget hosts silent for ``lease_timeout_s`` and hosts that finished leaving."""
+    def expire(self, now: float) -> tuple[list[Host], list[Host]]:
+        """Forget hosts silent for ``lease_timeout_s`` (first) and hosts that finished leaving."""
         gone = self.table.expire(now, self.lease_timeout_s)
         for host in gone:
             log.warning(
@@ -87,12 +87,13 @@ class Leases:
                 extra={"event": "host_lost"},
             )
             metrics.HOSTS_LOST.labels(self.experiment).inc()
-        for host in self.table.done_draining():
+        left = self.table.done_draining()
+        for host in left:
             self.table.remove(host.host_id)
             log.info("host %s left", host.host_id, extra={"event": "host_left"})
-        if gone:
+        if gone or left:
             self._gauges()
-        return gone
+        return gone, left
 
     def settle(self) -> bool:
         """Rebalance if anything changed and send the changed leases; True once every lease is applied."""

@@ -43,6 +43,7 @@ from shared.algorithms.base import Partial, ServerState, TaskSpec, derive_seed
 from shared.config import ExperimentConfig
 from shared.devices import is_online, over_select
 from shared.experiment import Experiment
+from shared.provision import BrokerAdmin, ProvisionError, new_host
 from shared.schemas import Decision as DecisionMsg
 from shared.schemas import (
     DeviceInfo,
@@ -52,6 +53,8 @@ from shared.schemas import (
     Flush,
     Go,
     Heartbeat,
+    Join,
+    JoinReply,
     Kind,
     MetricKey,
     Ready,
@@ -70,6 +73,7 @@ from shared.schemas import _Body as Body
 from shared.transport import (
     KEY_AGGREGATORS,
     KEY_CLIENTS,
+    KEY_JOIN,
     KEY_SERVER,
     KEY_UPDATE,
     Delivery,
@@ -95,6 +99,7 @@ class Server(ServiceBase):
         *,
         experiment_id: str,
         flush_timeout_s: float = 30.0,
+        admin: BrokerAdmin | None = None,
     ) -> None:
         cfg = exp.cfg
         super().__init__(transport, experiment_id, cfg.algorithm.name, cfg.processes.max_message_bytes)
@@ -136,7 +141,11 @@ class Server(ServiceBase):
             Phase.EVALUATING: self._tick_evaluating,
         }
 
-        transport.declare_queue(transport.names.server_queue, [KEY_SERVER])
+        #: gives joining hosts broker users of their own (None: hosts come with their users)
+        self.admin = admin
+        #: hosts this server made a broker user for (deleted when they leave or expire)
+        self.provisioned: set[str] = set()
+        transport.declare_queue(transport.names.server_queue, [KEY_SERVER, KEY_JOIN])
         transport.declare_queue(transport.names.updates_queue, [KEY_UPDATE])
         handlers = self._handlers()
         transport.consume(transport.names.server_queue, lambda d: self.dispatch(d, handlers), prefetch=64)
@@ -149,6 +158,7 @@ class Server(ServiceBase):
     def _handlers(self) -> dict[Kind, MessageHandler]:
         """What the server acts on, by message kind (anything else is dead-lettered)."""
         return {
+            Kind.JOIN: self.on_join,
             Kind.HEARTBEAT: self.on_heartbeat,
             Kind.DEVICE_STATE: self.on_device_state,
             Kind.RECEIPT: self.on_receipt,
@@ -200,6 +210,52 @@ class Server(ServiceBase):
         (admission refuses anything above the budget, and no task is larger than the full model)."""
         full = exp.full_footprint_bytes
         return {d.device_id: min(d.profile.memory_bytes, full) for d in exp.fleet}
+
+    def on_join(self, env: Envelope, msg: Join, d: Delivery) -> None:
+        """A new client process asks for a broker user of its own (see ``shared.provision``)."""
+        if self.admin is None or not d.reply_to:
+            self.reject(d, "no-provisioning", "this server makes no broker users (FEDFLEET_BROKER_ADMIN_URL)")
+            return
+        if len(self.provisioned) >= self.cfg.num_devices:  # more hosts than devices: nothing to serve
+            self.reject(d, "too-many-hosts", f"{len(self.provisioned)} hosts already joined")
+            return
+        host_id, password = new_host()
+        try:
+            user = self.admin.create_host_user(self.experiment, host_id, password)
+        except ProvisionError as err:
+            self.log.error("cannot make a broker user: %s", err, extra={"event": "provision_failed"})
+            self.reject(d, "provision-failed", str(err))
+            return
+        self.provisioned.add(host_id)
+        reply = encode(
+            Kind.JOIN_REPLY,
+            JoinReply(host_id=host_id, user=user, password=password),
+            exp=self.experiment,
+            round=0,
+            sender=self.service,
+        )
+        try:
+            self.transport.publish_reply(d.reply_to, reply)
+        except Unroutable:  # nobody can ask that way here (in one process): nobody can use that user
+            self._forget_host(host_id)
+        self.log.info("made broker user %s for a joining host (%s)", user, msg.hint, extra={"event": "join"})
+        d.ack()
+
+    def _forget_host(self, host_id: str) -> None:
+        """Delete the broker user (and queue) of a host that left or died."""
+        if self.admin is not None and host_id in self.provisioned:
+            self.provisioned.discard(host_id)
+            try:
+                self.admin.delete_host(self.experiment, host_id)
+            except ProvisionError as err:
+                self.log.warning(
+                    "cannot delete host %s's user: %s", host_id, err, extra={"event": "provision"}
+                )
+
+    def forget_hosts(self) -> None:
+        """After the run: delete every broker user made for it (the hosts got ``stop`` and closed)."""
+        for host_id in sorted(self.provisioned):
+            self._forget_host(host_id)
 
     def on_heartbeat(self, env: Envelope, msg: Heartbeat, d: Delivery) -> None:
         sender = self.sender(d)
@@ -326,7 +382,10 @@ class Server(ServiceBase):
     def _check_hosts(self, now: float) -> None:
         """Expire silent hosts. An open round stops waiting for a lost host's devices: they count as
         answered (silent) at once; their leases go to other hosts before the next round."""
-        for host in self.leases.expire(now):
+        gone, left = self.leases.expire(now)
+        for host in [*gone, *left]:
+            self._forget_host(host.host_id)
+        for host in gone:
             rs = self.rs
             if rs is None or self.phase not in (Phase.OPEN, Phase.FLUSHING):
                 continue

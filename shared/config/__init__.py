@@ -373,3 +373,9 @@ class Settings(BaseSettings):
     #: what a client host does when the experiment ends: ``exit`` (0), or ``idle`` (stay up doing
     #: nothing: a Kubernetes Deployment would restart a pod that exits)
     on_stop: Literal["exit", "idle"] = "exit"
+    #: prefix of the deployment's broker users (``<prefix>server``, ``<prefix>host-<id>``, ...)
+    user_prefix: str = "fedfleet-"
+    #: server only: RabbitMQ's management API with a user that may create users
+    #: (``http://admin:password@rabbitmq:15672``); with it the server gives each joining client host
+    #: a broker user of its own (docs/security.md). Unset: hosts must be given their users.
+    broker_admin_url: str | None = None

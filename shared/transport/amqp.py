@@ -83,7 +83,7 @@ class AmqpTransport(Transport):
     ) -> None:
         super().__init__(experiment)
         self.url = url
-        self.user = pika.URLParameters(url).credentials.username
+        self.user = self.url_user(url)
         self.declare_topology = declare_topology
         self.reconnect_timeout_s = reconnect_timeout_s
         self.heartbeat_s = heartbeat_s
@@ -125,6 +125,11 @@ class AmqpTransport(Transport):
             self._declare(queue, keys)
         for queue, handler, prefetch in self._consumers:
             self._start_consumer(queue, handler, prefetch)
+
+    @staticmethod
+    def url_user(url: str) -> str:
+        """The user an AMQP URL logs in as."""
+        return str(pika.URLParameters(url).credentials.username)
 
     def _await_topology(self, ch: BlockingChannel) -> BlockingChannel:
         """Wait until the owner has declared the experiment's exchanges (passive declares: a channel
@@ -234,6 +239,12 @@ class AmqpTransport(Transport):
 
         self._with_reconnect(_pub)
 
+    def publish_reply(self, reply_to: str, body: bytes) -> None:
+        # Not mandatory: RabbitMQ returns direct replies as unroutable even when they are delivered,
+        # and pika would log the returned body — a reply may hold credentials.
+        props = BasicProperties(user_id=self.user)
+        self._with_reconnect(lambda: self.channel.basic_publish("", reply_to, body, props))
+
     def _batch_channel(self) -> BlockingChannel:
         """A second channel in AMQP transaction mode: a batch is committed (and, for durable queues,
         persisted) with one round trip. Mandatory returns arrive before the commit's reply."""
@@ -291,6 +302,7 @@ class AmqpTransport(Transport):
                 redelivered=bool(method.redelivered),
                 headers=dict(props.headers or {}),
                 user_id=props.user_id,
+                reply_to=props.reply_to,
                 _ack=ack,
                 _nack=nack,
             )

@@ -84,6 +84,8 @@ class Delivery:
     headers: dict[str, Any] = field(default_factory=dict)
     #: the publisher's broker user, as the broker validated it (None: the publisher set none)
     user_id: str | None = None
+    #: where the publisher wants its answer (RabbitMQ's direct reply-to pseudo-queue), if anywhere
+    reply_to: str | None = None
     _ack: Callable[[], None] = field(default=lambda: None, repr=False)
     _nack: Callable[[bool], None] = field(default=lambda requeue: None, repr=False)
     settled: bool = False
@@ -153,6 +155,11 @@ class Transport(ABC):
             except Unroutable:
                 unroutable.add(key)
         return unroutable
+
+    def publish_reply(self, reply_to: str, body: bytes) -> None:
+        """Answer a request on its ``reply_to`` (RabbitMQ's direct reply-to: only the asking
+        connection can read it). In one process nobody asks that way: hosts get their user at start."""
+        raise Unroutable(reply_to)
 
     @abstractmethod
     def consume(self, queue: str, handler: Handler, prefetch: int) -> None: ...

@@ -126,7 +126,7 @@ class InprocTransport(Transport):
                 m.redelivered = True
                 self.broker.queues[c.queue].appendleft(m)
 
-        d = Delivery(msg.body, msg.key, msg.redelivered, msg.headers, msg.user_id, ack, nack)
+        d = Delivery(msg.body, msg.key, msg.redelivered, msg.headers, msg.user_id, None, ack, nack)
         c.handler(d)
         return True
 
