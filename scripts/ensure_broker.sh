@@ -15,13 +15,19 @@ if [ -n "${RABBITMQ_URL:-}" ]; then
   say "RABBITMQ_URL is set but the broker does not answer: $RABBITMQ_URL"; exit 1
 fi
 LOCAL="amqp://guest:guest@127.0.0.1:5672/%2F"
-# RabbitMQ's own Prometheus exporter (queue depths on the dashboard); idempotent, local broker only
+# Plugins fedfleet needs on the local broker (idempotent, local broker only):
+#   rabbitmq_management — the server creates one broker user per client host through its HTTP API
+#                         (docs/security.md), and the security tests make role users with it;
+#   rabbitmq_prometheus — RabbitMQ's own exporter (queue depths on the dashboard).
 enable_exporter() {
-  local plugins; plugins=$(command -v rabbitmq-plugins || echo /usr/sbin/rabbitmq-plugins)
-  if [ -x "$plugins" ] && ! "$plugins" is_enabled rabbitmq_prometheus >/dev/null 2>&1; then
-    say "enabling rabbitmq_prometheus"
-    "$plugins" enable rabbitmq_prometheus >&2 || say "could not enable rabbitmq_prometheus"
-  fi
+  local plugins p; plugins=$(command -v rabbitmq-plugins || echo /usr/sbin/rabbitmq-plugins)
+  [ -x "$plugins" ] || return 0
+  for p in rabbitmq_management rabbitmq_prometheus; do
+    if ! "$plugins" is_enabled "$p" >/dev/null 2>&1; then
+      say "enabling $p"
+      "$plugins" enable "$p" >&2 || say "could not enable $p"
+    fi
+  done
 }
 if probe "$LOCAL"; then enable_exporter; echo "$LOCAL"; exit 0; fi
 

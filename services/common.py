@@ -72,6 +72,9 @@ class ServiceBase:
         self.max_bytes = max_bytes
         self.log = logging.getLogger(f"fedfleet.{self.service}")
         self.stopped = False
+        #: message bytes this service put on, and took off, the broker (its share of broker traffic)
+        self.bytes_published = 0
+        self.bytes_consumed = 0
         #: senders are checked (role, lease) unless every service shares one broker user (dev mode)
         self.strict = strict(transport.user)
         if not self.strict:
@@ -86,6 +89,7 @@ class ServiceBase:
     def dispatch(self, delivery: Delivery, handlers: Mapping[Kind, MessageHandler]) -> None:
         """Decode, check and route one delivery; anything wrong goes to the dead-letter queue."""
         metrics.RECEIVED_BYTES.labels(self.experiment, self.service, "any").inc(len(delivery.body))
+        self.bytes_consumed += len(delivery.body)
         if len(delivery.body) > self.max_bytes:
             self.reject(delivery, "oversized", f"{len(delivery.body)} bytes > limit {self.max_bytes}")
             return
@@ -159,6 +163,7 @@ class ServiceBase:
     def publish_raw(self, key: str, kind: Kind, data: bytes, *, dense_bytes: int = 0) -> int:
         """Publish an already-encoded message and count it — the one place wire bytes are counted."""
         self.transport.publish(key, data)
+        self.bytes_published += len(data)
         labels = (self.experiment, self.algorithm, self.service, DIRECTION.get(kind, "control"), kind.value)
         metrics.WIRE_BYTES.labels(*labels).inc(len(data))
         metrics.MESSAGES.labels(*labels).inc()
@@ -175,6 +180,7 @@ class ServiceBase:
         labels = (self.experiment, self.algorithm, self.service, DIRECTION.get(kind, "control"), kind.value)
         for key, data, dense in items:
             if key not in unroutable:
+                self.bytes_published += len(data)
                 metrics.WIRE_BYTES.labels(*labels).inc(len(data))
                 metrics.MESSAGES.labels(*labels).inc()
                 if dense:

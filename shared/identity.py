@@ -103,9 +103,9 @@ def strict(own_user: str | None) -> bool:
     return identify(own_user).role is not Role.UNKNOWN
 
 
-_FROM_HOSTS = (Kind.HEARTBEAT, Kind.DEVICE_STATE, Kind.REJECT, Kind.READY, Kind.EVAL_RESULT)
+_FROM_HOSTS = (Kind.HEARTBEAT, Kind.DEVICE_STATE, Kind.REJECT, Kind.READY, Kind.EVAL_RESULT, Kind.FETCH)
 _TO_AGGREGATORS = (Kind.ROUND_OPEN, Kind.FLUSH, Kind.DECISION, Kind.ROUND_SUMMARY, Kind.STOP)
-_TO_HOSTS = (Kind.LEASE, Kind.DEVICE_STATE, Kind.TASK, Kind.GO, Kind.EVALUATE, Kind.STOP)
+_TO_HOSTS = (Kind.LEASE, Kind.DEVICE_STATE, Kind.PAYLOAD, Kind.TASK, Kind.GO, Kind.EVALUATE, Kind.STOP)
 
 #: receiving service → message kind → the one role allowed to send it there: the one table every
 #: receiver checks (``ServiceBase.dispatch``)

@@ -302,20 +302,17 @@ def _run(tmp_path: Path, algo: str, options: dict[str, Any]) -> tuple[list[dict[
     exp_id = f"wslice-{algo}-{tmp_path.name}"
     assert run_inproc(cfg, run, exp_id) == 0
     rows = list(csv.DictReader((run / "rounds.csv").open()))
-    # the per-round table and the Prometheus wire counters agree (C6 reads either)
-    for service, direction, kind, col in (
-        ("client", "up", "update", "bytes_up"),
-        ("server", "down", "task", "bytes_down"),
-    ):
-        labels = {
-            "experiment": exp_id,
-            "algorithm": algo,
-            "service": service,
-            "direction": direction,
-            "kind": kind,
-        }
-        counted = REGISTRY.get_sample_value("fedfleet_wire_bytes_total", labels)
-        assert counted == sum(float(r[col]) for r in rows)
+    # the per-round table and the Prometheus counters of the devices' bytes agree (C6 reads either)
+    for direction, col in (("up", "bytes_up"), ("down", "bytes_down")):
+        counted = sum(
+            REGISTRY.get_sample_value(
+                "fedfleet_device_bytes_total",
+                {"experiment": exp_id, "algorithm": algo, "direction": direction, "tier": tier},
+            )
+            or 0.0
+            for tier in {d["tier"] for d in csv.DictReader((run / "devices.csv").open())}
+        )
+        assert counted == sum(float(r[col]) for r in rows) > 0
     return rows, json.loads((run / "summary.json").read_text())
 
 

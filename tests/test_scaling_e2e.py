@@ -41,7 +41,7 @@ from tests.conftest import read_rounds, wait_for, write_config
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
 RUN_TIMEOUT = 300.0
-ROUNDS = 14
+ROUNDS = 20
 NUM_DEVICES = 8
 #: the round's deadline in wall time: only a round a killed host's devices were in may wait for it
 ROUND_TIMEOUT_S = 60
@@ -137,11 +137,12 @@ def _max_diff(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
 
 
 def _scale(c: Any, signum: int) -> tuple[Proc, Proc, Proc, Proc, dict[str, int]]:
-    """Two hosts, a third around round 5, ``signum`` to one of the first two around round 10."""
+    """Two hosts, a third from round 2 (it joins when its process is up), ``signum`` to one of the
+    first two around round 10 (at least three rounds after the third joined)."""
     agg = c.aggregator("agg-0")
     first, second = c.client("c0"), c.client("c1")
     server = c.server()
-    _wait(lambda: _count(server, "round_open") >= 4, "round 4", c.procs, [server, agg, first, second])
+    _wait(lambda: _count(server, "round_open") >= 2, "round 2", c.procs, [server, agg, first, second])
     third = c.client("c2")  # scale up: a new process, mid-run; it starts in a few seconds
     _wait(
         lambda: any("host c2 joined" in e.get("msg", "") for e in _events(server)),
@@ -150,7 +151,11 @@ def _scale(c: Any, signum: int) -> tuple[Proc, Proc, Proc, Proc, dict[str, int]]
         [server, agg, first, second, third],
     )
     joined = _count(server, "round_open")
-    _wait(lambda: _count(server, "round_open") >= 10, "round 10", c.procs, [server, agg, first, third])
+    # a loaded machine can start a process slower than the run's rounds go: leave the new host a
+    # few rounds of its own before the next change, whenever it joined
+    at = max(10, joined + 3)
+    assert at < ROUNDS - 1, f"the third host joined only in round {joined} of {ROUNDS}"
+    _wait(lambda: _count(server, "round_open") >= at, f"round {at}", c.procs, [server, agg, first, third])
     signalled = _count(server, "round_open")
     second.p.send_signal(signum)  # scale down (SIGTERM) or a crash (SIGKILL), mid-round
     return server, first, second, third, {"joined": joined, "signalled": signalled}
@@ -168,7 +173,7 @@ def test_hosts_join_and_leave_mid_run_and_nothing_changes(cluster: Any, tmp_path
         tasks = _drain_spy(c.url, spy)
     for survivor in (first, third):  # the stop broadcast reaches every host still running
         assert survivor.p.wait(60) == 0, survivor.text()[-2000:]
-    assert 4 <= at["joined"] < at["signalled"] < ROUNDS, at
+    assert 2 <= at["joined"] < at["signalled"] < ROUNDS, at
     # the leaving host kept serving its devices until their leases moved, between two rounds
     assert any(e.get("event") == "host_leaving" for e in _events(second))
     assert any(e.get("event") == "host_left" for e in _events(second)), second.text()[-2000:]

@@ -39,6 +39,8 @@ def _sample(kind: Kind) -> object:
             Kind.DEVICE_STATE: {"device_id": 1, "files": {"spafl-1.npz": b"\x00\x01"}},
             Kind.ROUND_OPEN: {"selected": [1, 2], "deadline_unix": 1.0},
             Kind.TASK: {"device_id": 1, "tensors": {"w": t}},
+            Kind.PAYLOAD: {"digest": b"\x01" * 16, "tensors": {"w": t}},
+            Kind.FETCH: {"digest": b"\x01" * 16},
             Kind.RECEIPT: {
                 "device_id": 1,
                 "aggregator_id": "a",

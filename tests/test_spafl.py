@@ -404,8 +404,11 @@ def _update_bytes(
 
 
 def _task_bytes(exp_id: str, tensors: Mapping[str, codec.Tensor]) -> int:
-    body = Task(device_id=0, tensors=encode_tensors(dict(tensors))[0], key="0" * 32)
-    return len(encode(Kind.TASK, body, exp=exp_id, round=1, sender="server", inc="0" * 12))
+    """What a device is charged for a task whose tensors every device shares: the task message
+    (which refers to them by digest) plus the packed tensors, as if they came with it."""
+    packed = len(codec.packb(encode_tensors(dict(tensors))[0]))
+    body = Task(device_id=0, payload=b"d" * 16, payload_bytes=packed, key="0" * 32)
+    return packed + len(encode(Kind.TASK, body, exp=exp_id, round=1, sender="server", inc="0" * 12))
 
 
 def _headers(s: SpaFL, exp_id: str, metrics: list[str]) -> dict[str, int]:
@@ -456,6 +459,20 @@ def _wire(exp_id: str, algorithm: str, direction: str, kind: str, service: str) 
     return REGISTRY.get_sample_value("fedfleet_wire_bytes_total", labels) or 0.0
 
 
+def _device(exp_id: str, algorithm: str, direction: str) -> float:
+    """``fedfleet_device_bytes_total`` summed over tiers: what the emulated devices were charged."""
+    return sum(
+        sample.value
+        for family in REGISTRY.collect()
+        if family.name == "fedfleet_device_bytes"
+        for sample in family.samples
+        if sample.name == "fedfleet_device_bytes_total"
+        and sample.labels["experiment"] == exp_id
+        and sample.labels["algorithm"] == algorithm
+        and sample.labels["direction"] == direction
+    )
+
+
 def _per_round_counters(cfg_path: Path, run: Path, exp_id: str) -> tuple[Server, list[tuple[float, float]]]:
     """Run in-process; after each round closes, read the uplink/downlink byte counters."""
     exp = Experiment.build(load_config(cfg_path))
@@ -467,9 +484,7 @@ def _per_round_counters(cfg_path: Path, run: Path, exp_id: str) -> tuple[Server,
     def after_round(_: object) -> None:
         # right after the server closed a round, before any device saw the next task: the uplink
         # counter holds exactly the rounds so far
-        readings.append(
-            (_wire(exp_id, algo, "up", "update", "client"), _wire(exp_id, algo, "down", "task", "server"))
-        )
+        readings.append((_wire(exp_id, algo, "up", "update", "client"), _device(exp_id, algo, "down")))
 
     cluster.run(on_round=after_round, max_steps=200_000)
     assert server.stopped and len(readings) == exp.cfg.rounds

@@ -46,11 +46,13 @@ from shared.schemas import (
     DeviceState,
     Envelope,
     EvalResult,
+    Fetch,
     Go,
     Heartbeat,
     Kind,
     Lease,
     MetricKey,
+    Payload,
     Ready,
     Reject,
     Task,
@@ -123,6 +125,10 @@ class Client(ServiceBase):
         #: first-finishers protocol: when on, devices report ``ready`` and upload only on ``go``
         self.ready_protocol = cfg.emulation.over_selection > 1 or cfg.emulation.round_deadline_s is not None
         self.held: dict[tuple[str, int, int], _Held] = {}
+        #: the newest round's payloads, decoded (digest → tensors), and tasks waiting for one
+        self.payloads: dict[bytes, dict[str, Any]] = {}
+        self.payload_round: tuple[str, int] = ("", -1)
+        self.waiting: dict[bytes, list[tuple[Envelope, Task, Delivery]]] = {}
         #: the devices of the newest lease applied, with their local data
         self.data: dict[int, DeviceData] = {}
         #: (server incarnation, epoch) of that lease
@@ -138,6 +144,7 @@ class Client(ServiceBase):
         handlers: dict[Kind, MessageHandler] = {
             Kind.LEASE: self.on_lease,
             Kind.DEVICE_STATE: self.on_device_state,
+            Kind.PAYLOAD: self.on_payload,
             Kind.TASK: self.on_task,
             Kind.GO: self.on_go,
             Kind.EVALUATE: self.on_evaluate,
@@ -294,15 +301,53 @@ class Client(ServiceBase):
         if real_s is not None:
             metric.labels(self.experiment, self.algorithm, tier, *labels.values(), "real").observe(real_s)
 
+    def on_payload(self, env: Envelope, msg: Payload, d: Delivery) -> None:
+        """What several of the round's tasks share, decoded once for all of them. Only the newest
+        round's payloads are kept; tasks that arrived before their payload (a fetch) go now."""
+        stamp = (env.inc, env.round)
+        if stamp != self.payload_round:
+            self.payloads.clear()
+            self.payload_round = stamp
+        self.payloads[msg.digest] = decode_tensors(msg.tensors)
+        d.ack()
+        for env_, task, delivery in self.waiting.pop(msg.digest, []):
+            self._dispatch_task(env_, task, delivery)
+
+    def _tensors(self, env: Envelope, msg: Task, d: Delivery) -> dict[str, Any] | None:
+        """The task's tensors: its own plus its payload's (None: the payload is missing — fetched,
+        and the task goes on when it arrives)."""
+        own = decode_tensors(msg.tensors)
+        if not msg.payload:
+            return own
+        shared = self.payloads.get(msg.payload)
+        if shared is None:
+            first = msg.payload not in self.waiting
+            self.waiting.setdefault(msg.payload, []).append((env, msg, d))
+            if first:
+                self.log.info("payload %s missing; fetching it", msg.payload.hex(), extra={"event": "fetch"})
+                self.send(KEY_SERVER, Kind.FETCH, Fetch(digest=msg.payload), round=env.round, inc=env.inc)
+            return None
+        return {**shared, **own}
+
     def on_task(self, env: Envelope, msg: Task, d: Delivery) -> None:
         """Admit, download, (maybe drop out,) train and upload — each step below is one method."""
-        dev = msg.device_id
-        if dev not in self.data:
-            self.reject(d, "unknown-device", f"device {dev} is not hosted by {self.client_id}")
+        if msg.device_id not in self.data:
+            self.reject(d, "unknown-device", f"device {msg.device_id} is not hosted by {self.client_id}")
             return
+        self._dispatch_task(env, msg, d)
+
+    def _dispatch_task(self, env: Envelope, msg: Task, d: Delivery) -> None:
+        if env.kind is Kind.EVALUATE:
+            self._evaluate(env, msg, d)
+            return
+        tensors = self._tensors(env, msg, d)
+        if tensors is None:
+            return
+        dev = msg.device_id
         device = self.fleet[dev]
-        task = TaskSpec(decode_tensors(msg.tensors), dict(msg.config))
-        task_bytes = len(d.body)
+        task = TaskSpec(tensors, dict(msg.config))
+        # what the emulated device downloads: its task and the payload, as one message
+        task_bytes = len(d.body) + msg.payload_bytes
         if self._admitted(env, msg, task, device, task_bytes):
             down_s = self._download(task, device, task_bytes)
             if not self._dropped_out(env, msg, device, task_bytes):
@@ -460,12 +505,18 @@ class Client(ServiceBase):
         )
 
     def on_evaluate(self, env: Envelope, msg: Task, d: Delivery) -> None:
-        """The all-device evaluation: the personalised model on the device's own test split."""
-        dev = msg.device_id
-        if dev not in self.data:
-            self.reject(d, "unknown-device", f"device {dev} is not hosted by {self.client_id}")
+        if msg.device_id not in self.data:
+            self.reject(d, "unknown-device", f"device {msg.device_id} is not hosted by {self.client_id}")
             return
-        task = TaskSpec(decode_tensors(msg.tensors), dict(msg.config))
+        self._dispatch_task(env, msg, d)
+
+    def _evaluate(self, env: Envelope, msg: Task, d: Delivery) -> None:
+        """The all-device evaluation: the personalised model on the device's own test split."""
+        tensors = self._tensors(env, msg, d)
+        if tensors is None:
+            return
+        dev = msg.device_id
+        task = TaskSpec(tensors, dict(msg.config))
         result = self.strategy.evaluate_device(task, self._context(dev, env.round))
         body = EvalResult(device_id=dev, supported=result is not None, metrics=result or {})
         self._notify(env, msg, body, Kind.EVAL_RESULT)

@@ -41,6 +41,8 @@ class RoundOutcome:
     reported: dict[str, float]
     density: float
     virtual_seconds: float
+    #: every message this round put through the broker (tasks, payloads, updates, control)
+    broker_bytes: int = 0
 
 
 @dataclass
@@ -50,7 +52,13 @@ class RunLedger:
     devices: dict[int, DeviceStats] = field(default_factory=dict)
     rows: list[dict[str, Any]] = field(default_factory=list)
     totals: dict[str, int] = field(
-        default_factory=lambda: {"bytes_up": 0, "bytes_down": 0, "dense_bytes_up": 0, "dense_bytes_down": 0}
+        default_factory=lambda: {
+            "bytes_up": 0,
+            "bytes_down": 0,
+            "dense_bytes_up": 0,
+            "dense_bytes_down": 0,
+            "broker_bytes": 0,
+        }
     )
     #: wall seconds spent before a resume
     wall_offset: float = 0.0
@@ -83,9 +91,15 @@ class RunLedger:
             metrics.SELECTED.labels(*self.labels, st.tier).inc()
 
     def task_sent(self, device: int, wire: int) -> None:
+        """A task reached the device's host: ``wire`` is what the emulated device downloads."""
         st = self.stats(device)
         st.bytes_down += wire
         metrics.DEVICE_ROUND_BYTES.labels(*self.labels, "down", st.tier).observe(wire)
+        metrics.DEVICE_BYTES.labels(*self.labels, "down", st.tier).inc(wire)
+
+    def eval_sent(self, device: int, wire: int) -> None:
+        """An evaluation task reached the device's host (its own direction: never training traffic)."""
+        metrics.DEVICE_BYTES.labels(*self.labels, "eval_down", self.stats(device).tier).inc(wire)
 
     def refused(self, reject_reason: str, device: int, footprint: int) -> None:
         tier = self.stats(device).tier
@@ -103,6 +117,7 @@ class RunLedger:
         self.totals["bytes_down"] += rs.down_bytes
         self.totals["dense_bytes_up"] += dense_up
         self.totals["dense_bytes_down"] += rs.dense_down
+        self.totals["broker_bytes"] = self.totals.get("broker_bytes", 0) + result.broker_bytes
         now = time.time()
         ev, pm = result.evaluation, result.reported
         row: dict[str, Any] = {
@@ -114,6 +129,7 @@ class RunLedger:
             "bytes_down": rs.down_bytes,
             "dense_bytes_up": dense_up,
             "dense_bytes_down": rs.dense_down,
+            "broker_bytes": result.broker_bytes,
             "cum_bytes_up": self.totals["bytes_up"],
             "cum_bytes_down": self.totals["bytes_down"],
             "participants": len(result.participants),
@@ -167,6 +183,7 @@ class RunLedger:
             dense_up += r.dense_bytes
             st.bytes_up += r.update_bytes
             metrics.DEVICE_ROUND_BYTES.labels(*self.labels, "up", st.tier).observe(r.update_bytes)
+            metrics.DEVICE_BYTES.labels(*self.labels, "up", st.tier).inc(r.update_bytes)
         return up, dense_up
 
     # -- results -----------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from services.server.fanout import Fanout
 from shared.algorithms.base import Partial, Strategy
 from shared.schemas import EvalResult, Ready, Receipt, Reject, RoundOpen
 
@@ -77,6 +78,10 @@ class RoundState:
     go_sent: bool = False
     #: selected devices that will not be aggregated, with why: dropout, deadline, surplus
     discarded: dict[int, str] = field(default_factory=dict)
+    #: the round's task messages (payloads kept to answer a host's fetch)
+    fanout: Fanout | None = None
+    #: the server's broker traffic (published + consumed) when the round opened
+    broker_mark: int = 0
 
     def __post_init__(self) -> None:
         self._selected_set = frozenset(self.selected)
@@ -152,6 +157,7 @@ class EvaluationState:
     deadline: float
     down_bytes: int
     results: dict[int, EvalResult] = field(default_factory=dict)
+    fanout: Fanout | None = None
 
     def done(self, now: float) -> bool:
         return set(self.results) >= self.expected or now >= self.deadline

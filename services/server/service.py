@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from services.common import MessageHandler, ServiceBase, decode_tensors, encode_tensors
-from services.server import checkpoint
+from services.common import MessageHandler, ServiceBase, decode_tensors
+from services.server import checkpoint, fanout
 from services.server.leases import Leases
 from services.server.ledger import RoundOutcome, RunLedger
 from services.server.round import EvaluationState, Phase, RoundState
@@ -50,6 +50,7 @@ from shared.schemas import (
     DeviceState,
     Envelope,
     EvalResult,
+    Fetch,
     Flush,
     Go,
     Heartbeat,
@@ -63,7 +64,6 @@ from shared.schemas import (
     RoundOpen,
     RoundSummary,
     Stop,
-    Task,
     encode,
     task_key,
     verify,
@@ -159,6 +159,7 @@ class Server(ServiceBase):
         """What the server acts on, by message kind (anything else is dead-lettered)."""
         return {
             Kind.JOIN: self.on_join,
+            Kind.FETCH: self.on_fetch,
             Kind.HEARTBEAT: self.on_heartbeat,
             Kind.DEVICE_STATE: self.on_device_state,
             Kind.RECEIPT: self.on_receipt,
@@ -495,6 +496,7 @@ class Server(ServiceBase):
         return sorted(int(x) for x in picked), len(registered) - len(online)
 
     def _open_round(self) -> None:
+        mark = self.bytes_published + self.bytes_consumed  # the round's broker traffic starts here
         number = self.round + 1
         selected, offline = self._select(number)
         started = time.time()
@@ -521,6 +523,7 @@ class Server(ServiceBase):
             announcement=announcement,
             last_announced=time.time(),
         )
+        rs.broker_mark = mark
         self.rs, self.round, self.phase = rs, number, Phase.OPEN
         labels = (self.experiment, self.algorithm)
         metrics.ROUND.labels(*labels).set(number)
@@ -537,42 +540,50 @@ class Server(ServiceBase):
         )
 
     def _send_tasks(self, rs: RoundState) -> None:
-        """Plan and publish every selected device's task; a task nobody can receive makes its device
-        unreachable for the round."""
+        """Plan and publish every selected device's task (shared parts once per host: see
+        ``fanout``); a task nobody can receive makes its device unreachable for the round."""
         tasks = self.strategy.plan(self.state, rs.number, rs.selected, self.registry)
-        batch = self._encode_tasks(Kind.TASK, tasks, rs.selected, rs.key)
+        rs.fanout = self._fanout(Kind.TASK, tasks, rs.selected, rs.key)
         # one broker round trip for the whole fan-out, not one confirm per device
-        unroutable = self.publish_batch(Kind.TASK, batch)
-        for dev, (routing_key, data, dense) in zip(rs.selected, batch, strict=True):
-            if routing_key in unroutable:
-                rs.unreachable.add(dev)
-                self.log.warning("no client hosts device %d any more", dev, extra={"event": "unreachable"})
+        unroutable = fanout.publish(rs.fanout, self.publish_batch, Kind.TASK)
+        for out in rs.fanout.tasks:
+            if out.routing_key in unroutable:
+                rs.unreachable.add(out.device)
+                self.log.warning(
+                    "no client hosts device %d any more", out.device, extra={"event": "unreachable"}
+                )
                 continue
-            rs.task_bytes[dev] = len(data)
-            rs.down_bytes += len(data)
-            rs.dense_down += dense
-            self.ledger.task_sent(dev, len(data))
+            rs.task_bytes[out.device] = out.device_bytes
+            rs.down_bytes += out.device_bytes
+            rs.dense_down += out.dense_bytes
+            self.ledger.task_sent(out.device, out.device_bytes)
 
-    def _encode_tasks(
-        self, kind: Kind, tasks: dict[int, TaskSpec], devices: list[int], key: str
-    ) -> list[tuple[str, bytes, int]]:
-        """(routing key, message, dense bytes) per device; a TaskSpec shared by several devices (e.g.
-        FedAvg's one global model) has its tensors encoded once."""
-        encoded: dict[int, tuple[dict[str, Any], int]] = {}
-        batch: list[tuple[str, bytes, int]] = []
-        for dev in devices:
-            spec = tasks[dev]
-            if id(spec) not in encoded:
-                encoded[id(spec)] = encode_tensors(spec.tensors)
-            tensors, dense = encoded[id(spec)]
-            body = Task(
-                device_id=dev, tensors=tensors, config=spec.config, key=task_key(key, self.round, dev)
+    def _fanout(self, kind: Kind, tasks: dict[int, TaskSpec], devices: list[int], key: str) -> fanout.Fanout:
+        def envelope(k: Kind, body: Body) -> bytes:
+            return encode(
+                k, body, exp=self.experiment, round=self.round, sender=self.service, inc=self.incarnation
             )
-            data = encode(
-                kind, body, exp=self.experiment, round=self.round, sender=self.service, inc=self.incarnation
-            )
-            batch.append((self._route(dev), data, dense))
-        return batch
+
+        return fanout.build(
+            kind,
+            tasks,
+            devices,
+            host_of=lambda dev: self.leases.table.host_of(dev) or "-",
+            route=key_host,
+            task_key=lambda dev: task_key(key, self.round, dev),
+            encode=envelope,
+        )
+
+    def on_fetch(self, env: Envelope, msg: Fetch, d: Delivery) -> None:
+        """A host lost a payload of the current round (it restarted, say): send it again."""
+        sources = [x.fanout for x in (self.rs, self.evaluation) if x is not None and x.fanout is not None]
+        data = next((f.by_digest[msg.digest] for f in sources if msg.digest in f.by_digest), None)
+        host = self._host(env, d)
+        if data is None or not host:
+            self.reject(d, "unknown-payload", f"no payload {msg.digest.hex()} in the open round")
+            return
+        self.publish_batch(Kind.PAYLOAD, [(key_host(host), data, 0)])
+        d.ack()
 
     def _route(self, device: int) -> str:
         """Where a device's messages go: its host's key (only that host may read it)."""
@@ -642,6 +653,7 @@ class Server(ServiceBase):
             reported=reported,
             density=reported.get(MetricKey.DENSITY, self.strategy.density(self.state)),
             virtual_seconds=self._virtual_seconds(rs, participants),
+            broker_bytes=self._broker_bytes(rs),
         )
         self.ledger.record_round(rs, result)
         self.log.info(
@@ -664,6 +676,13 @@ class Server(ServiceBase):
         self._save_checkpoint()
         self.rs, self.phase = None, Phase.BETWEEN
         self._next()
+
+    def _broker_bytes(self, rs: RoundState) -> int:
+        """What the round put through the broker: everything the server sent and took, and every
+        update (the aggregators' receipts name their sizes) — every message of the run but dead
+        letters, which stay in their own queue."""
+        server = self.bytes_published + self.bytes_consumed - rs.broker_mark
+        return server + sum(r.update_bytes for r in rs.receipts.values())
 
     def _round_evaluation(self, round: int, reported: dict[str, float]) -> dict[str, float]:
         """Personalised algorithms: the participants' own test accuracy (each device evaluates its
@@ -740,13 +759,17 @@ class Server(ServiceBase):
         devices = self.leases.table.available()
         tasks = self.strategy.plan_evaluation(self.state, devices, self.registry)
         key = secrets.token_hex(16)
-        batch = self._encode_tasks(Kind.EVALUATE, tasks, devices, key)
-        unroutable = self.publish_batch(Kind.EVALUATE, batch)
+        out = self._fanout(Kind.EVALUATE, tasks, devices, key)
+        unroutable = fanout.publish(out, self.publish_batch, Kind.EVALUATE)
+        sent = [t for t in out.tasks if t.routing_key not in unroutable]
+        for t in sent:
+            self.ledger.eval_sent(t.device, t.device_bytes)
         self.evaluation = EvaluationState(
             key=key,
-            expected={dev for dev, (rk, _, _) in zip(devices, batch, strict=True) if rk not in unroutable},
+            expected={t.device for t in sent},
             deadline=time.time() + self.cfg.round_timeout_s,
-            down_bytes=sum(len(data) for rk, data, _ in batch if rk not in unroutable),
+            down_bytes=sum(t.device_bytes for t in sent),
+            fanout=out,
         )
         self.phase = Phase.EVALUATING
         self.log.info(

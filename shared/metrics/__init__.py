@@ -39,6 +39,13 @@ WIRE_BYTES = Counter(
     "Message body bytes actually published to the broker (what crossed the wire).",
     TRAFFIC_LABELS,
 )
+DEVICE_BYTES = Counter(
+    "fedfleet_device_bytes_total",
+    "Bytes the emulated devices downloaded (task plus the payload it refers to) and uploaded: what a "
+    "real fleet's links would carry, the figure the papers compare. What crossed the broker is "
+    "fedfleet_wire_bytes_total. direction: down, up, eval_down (evaluation tasks after the run).",
+    ("experiment", "algorithm", "direction", "tier"),
+)
 DENSE_BYTES = Counter(
     "fedfleet_dense_bytes_total",
     "Dense-equivalent bytes of the tensors in published messages (float32 dense, no compression).",

@@ -23,6 +23,7 @@ ROUND_COLUMNS = [
     "bytes_down",
     "dense_bytes_up",
     "dense_bytes_down",
+    "broker_bytes",
     "cum_bytes_up",
     "cum_bytes_down",
     "participants",

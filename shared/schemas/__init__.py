@@ -35,6 +35,8 @@ class Kind(StrEnum):
     JOIN_REPLY = "join_reply"
     HEARTBEAT = "heartbeat"
     LEASE = "lease"
+    PAYLOAD = "payload"
+    FETCH = "fetch"
     DEVICE_STATE = "device_state"
     ROUND_OPEN = "round_open"
     TASK = "task"
@@ -201,11 +203,31 @@ class RoundOpen(_Body):
         return dict(zip(self.selected, self.holders, strict=False))
 
 
+class Payload(_Body):
+    """Server → a host: what several of the round's tasks share (the global model, a tier's
+    sub-model), once per host instead of once per device. Tasks refer to it by ``digest``."""
+
+    #: SHA-256 (first 16 bytes) of the packed ``tensors``: content-addressed, so a copy is a copy
+    digest: bytes = Field(min_length=16, max_length=16)
+    tensors: dict[str, EncodedTensor] = Field(default_factory=dict)
+
+
+class Fetch(_Body):
+    """Host → server: send me payload ``digest`` again (a cache miss, e.g. after a restart)."""
+
+    digest: bytes = Field(min_length=16, max_length=16)
+
+
 class Task(_Body):
     """Server → one device: what it receives and what it is asked to do."""
 
     device_id: int = Field(ge=0)
+    #: the device's own tensors (its mask, its slice: what no other device gets)
     tensors: dict[str, EncodedTensor] = Field(default_factory=dict)
+    #: the digest of a :class:`Payload` whose tensors complete this task (empty: none). The
+    #: emulated device is charged ``payload_bytes`` more, as if they came with the task.
+    payload: bytes = b""
+    payload_bytes: int = Field(0, ge=0)
     config: dict[str, Any] = Field(default_factory=dict)
     #: this device's key for this round (:func:`task_key`, hex): what it sends back carries a MAC
     #: made with it. Only the device's host can read its tasks; the round key never leaves the
@@ -326,6 +348,8 @@ BODY_MODELS: dict[Kind, type[_Body]] = {
     Kind.JOIN_REPLY: JoinReply,
     Kind.HEARTBEAT: Heartbeat,
     Kind.LEASE: Lease,
+    Kind.PAYLOAD: Payload,
+    Kind.FETCH: Fetch,
     Kind.DEVICE_STATE: DeviceState,
     Kind.ROUND_OPEN: RoundOpen,
     Kind.TASK: Task,
