@@ -182,7 +182,6 @@ def verdicts(sizes: Sizes) -> str:
 def run(rounds: int = 2) -> str:
     sizes = measure(rounds)
     return (
-        "## Message overhead by algorithm and kind (`benchmarks/bench_envelope.py`)\n\n"
         f"Every message of {rounds} rounds of the contract suite's short config (8 devices, 4 per "
         "round, digits MLP 64-32-16-10) for every algorithm, and of the quickstart (FedAvg) and "
         "`experiments/spafl_digits.yaml`, in one process; bytes are as published.\n\n"
@@ -195,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", type=Path, help="write the markdown here (default: print it)")
     args = ap.parse_args(argv)
-    text = f"Command: `python benchmarks/bench_envelope.py --rounds {args.rounds}`\n\n" + run(args.rounds)
+    command = f"Command: `python benchmarks/bench_envelope.py --rounds {args.rounds}`\n\n"
+    text = command + "## Message overhead by algorithm and kind\n\n" + run(args.rounds)
     if args.out:
         args.out.write_text(text)
     print(text)

@@ -420,6 +420,18 @@ def cmd_reference(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_asyncapi(args: argparse.Namespace) -> int:
+    from shared.asyncapi import render
+
+    text = render()
+    if args.out:
+        args.out.write_text(text)
+        console.print(f"wrote {args.out}")
+    else:
+        print(text, end="")
+    return 0
+
+
 # -- argument parsing ------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fedfleet", description=__doc__.splitlines()[0] if __doc__ else None)
@@ -499,6 +511,10 @@ def build_parser() -> argparse.ArgumentParser:
     ref = sub.add_parser("reference", help="print every config key and algorithm option (Markdown)")
     ref.add_argument("--out", type=Path, help="write to this file instead (docs/configuration.md)")
     ref.set_defaults(fn=cmd_reference)
+
+    aa = sub.add_parser("asyncapi", help="print the message plane as an AsyncAPI 3 document (YAML)")
+    aa.add_argument("--out", type=Path, help="write to this file instead (docs/asyncapi.yaml)")
+    aa.set_defaults(fn=cmd_asyncapi)
     return p
 
 

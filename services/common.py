@@ -19,6 +19,7 @@ from shared.codec.tensorset import LayoutCache
 from shared.identity import ACCEPTS, Role, Sender, identify, strict
 from shared.schemas import DecodeError, Envelope, Kind, RoundOpen, decode, encode
 from shared.schemas import _Body as Body
+from shared.topology import routable
 from shared.transport import Delivery, Transport
 
 #: message kinds → the ``direction`` label of traffic metrics
@@ -193,6 +194,7 @@ class ServiceBase:
 
     def publish_raw(self, key: str, kind: Kind, data: bytes, *, dense_bytes: int = 0) -> int:
         """Publish an already-encoded message and count it — the one place wire bytes are counted."""
+        _check_route(kind, key)
         self.transport.publish(key, data)
         self.bytes_published += len(data)
         labels = (self.experiment, self.algorithm, self.service, DIRECTION.get(kind, "control"), kind.value)
@@ -207,6 +209,8 @@ class ServiceBase:
 
         Returns the keys nobody was bound for (those messages were not delivered and are not counted).
         """
+        for key, _, _ in items:
+            _check_route(kind, key)
         unroutable = self.transport.publish_many([(key, data) for key, data, _ in items])
         labels = (self.experiment, self.algorithm, self.service, DIRECTION.get(kind, "control"), kind.value)
         for key, data, dense in items:
@@ -230,6 +234,13 @@ class ServiceBase:
         while not self.stopped:
             self.transport.process(poll_s)
             self.tick()
+
+
+def _check_route(kind: Kind, key: str) -> None:
+    """Every kind travels on the routing keys ``shared.topology.ROUTES`` names (what the AsyncAPI
+    document and the broker permissions say); anything else is a bug, caught where it happens."""
+    if not routable(kind, key):
+        raise ValueError(f"{kind.value} may not be published with routing key {key!r} (shared/topology.py)")
 
 
 def encode_tensors(tensors: dict[str, codec.Tensor]) -> tuple[dict[str, dict[str, Any]], int]:
