@@ -60,7 +60,7 @@ def _receivers(kind: Kind, route: str) -> list[str]:
 def _schemas() -> dict[str, Any]:
     models: list[type[BaseModel]] = sorted(set(BODY_MODELS.values()), key=lambda m: m.__name__)
     models.append(Envelope)
-    pairs: list[tuple[type[BaseModel], Literal[validation]]] = [(m, "validation") for m in models]
+    pairs: list[tuple[type[BaseModel], Literal["validation"]]] = [(m, "validation") for m in models]
     _, top = models_json_schema(pairs, ref_template=SCHEMAS)
     defs: dict[str, Any] = top["$defs"]
     env = defs["Envelope"]
