@@ -292,6 +292,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if (run_dir / "summary.json").exists():
         console.print(f"[red]{run_dir} already holds a finished run[/red]; choose another --run-id")
         return 2
+    transport = _choose_transport(args.transport, settings)
+    if transport is None:
+        return 2
     # Build the experiment once here so that a bad fleet, dataset or algorithm option is refused
     # before any process starts, with the error that names the file, row and field.
     if (why := _cannot_run(cfg)) is not None:
@@ -299,23 +302,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
     if (config_path := _claim(run_dir, cfg, args.force)) is None:
         return 2
-
-    transport = args.transport
-    if transport in ("auto", "amqp"):
-        from shared.transport.amqp import broker_reachable
-
-        if broker_reachable(settings.rabbitmq_url):
-            transport = "amqp"
-        elif transport == "amqp":
-            console.print(f"[red]RabbitMQ is not reachable at {settings.rabbitmq_url}[/red]")
-            return 2
-        else:
-            console.print(
-                "[bold yellow]WARNING: no RabbitMQ broker reachable — running IN-PROCESS (one process, "
-                "no broker). Results are the same; timings and traffic are not those of a "
-                "deployment.[/bold yellow]"
-            )
-            transport = "inproc"
     console.print(f"run [bold]{run_id}[/bold] · {cfg.algorithm.name} · {transport} · results in {run_dir}")
     started = time.time()
     if transport == "inproc":
@@ -338,6 +324,48 @@ def cmd_run(args: argparse.Namespace) -> int:
         write_summary(run_dir, summary)
         print_report(run_dir)
     return rc
+
+
+def _broker_hosts(url: str) -> str:
+    """The ``host:port`` of each broker address in ``url`` (``;``-separated), never its password."""
+    from urllib.parse import urlsplit
+
+    hosts = []
+    for one in filter(None, (u.strip() for u in url.split(";"))):
+        parts = urlsplit(one)
+        hosts.append(f"{parts.hostname or '?'}:{parts.port or 5672}")
+    return ", ".join(hosts) or "(empty RABBITMQ_URL)"
+
+
+def _choose_transport(requested: str, settings: Settings) -> str | None:
+    """The transport ``fedfleet run`` uses (None: refused, and said why).
+
+    Why an explicit ``RABBITMQ_URL`` never falls back: a user who names a broker wants the run on it
+    (its Prometheus, its queues, a deployment's timings). Falling back to the in-process transport
+    when it did not answer gave a result that looked fine but was not the measurement asked for, and
+    hid the broker's address typo. Only the implicit default (no ``RABBITMQ_URL``, local broker
+    absent) falls back, loudly. Messages name the host and port, never the credentials.
+    """
+    if requested == "inproc":
+        return "inproc"
+    from shared.transport.amqp import broker_reachable
+
+    url = settings.rabbitmq_url
+    if broker_reachable(url):
+        return "amqp"
+    if requested == "amqp" or "rabbitmq_url" in settings.model_fields_set:
+        why = "RABBITMQ_URL is set" if "rabbitmq_url" in settings.model_fields_set else "--transport amqp"
+        console.print(
+            f"[red]RabbitMQ does not answer at {_broker_hosts(url)}[/red] ({why}): start the broker or "
+            "fix RABBITMQ_URL; to run without a broker, unset RABBITMQ_URL or pass --transport inproc"
+        )
+        return None
+    console.print(
+        "[bold yellow]WARNING: no RabbitMQ broker reachable at "
+        f"{_broker_hosts(url)} (RABBITMQ_URL unset) — running IN-PROCESS (one process, no broker). "
+        "Results are the same; timings and traffic are not those of a deployment.[/bold yellow]"
+    )
+    return "inproc"
 
 
 def _build(cfg: ExperimentConfig) -> Experiment | str:
