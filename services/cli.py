@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 
 from services import orchestrator
-from services.report import print_report
+from services.report import ACCURACY_CHOICES, print_report
 from shared.config import (
     ConfigError,
     ExperimentConfig,
@@ -411,7 +411,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from services.report import compare
 
-    return compare(args.runs, args.plot)
+    return compare(args.runs, args.plot, args.accuracy)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -505,6 +505,14 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_ = sub.add_parser("compare", help="tabulate several runs side by side")
     cmp_.add_argument("runs", nargs="+")
     cmp_.add_argument("--plot", metavar="PNG", help="also draw accuracy vs round and vs wire bytes, all runs")
+    cmp_.add_argument(
+        "--accuracy",
+        choices=ACCURACY_CHOICES,
+        default="auto",
+        help="what --plot draws: the global model's accuracy, the devices' own models' (personalised "
+        "algorithms), or both, labelled (default auto: the one kind the runs have; runs of both "
+        "kinds need a choice)",
+    )
     cmp_.set_defaults(fn=cmd_compare)
     hc = sub.add_parser("healthcheck", help="exit 0 iff the local /metrics endpoint answers")
     hc.add_argument("--port", type=int, required=True)

@@ -59,3 +59,96 @@ def test_an_explicit_rabbitmq_url_that_does_not_answer_is_an_error_naming_the_ho
     assert "s3cret-pw" not in err
     assert "IN-PROCESS" not in err
     assert not (tmp_path / "runs" / "r1" / "summary.json").exists()
+
+
+# -- compare: global and personalised accuracy are told apart ----------------------------------------
+def _fake_run(root: Path, name: str, algorithm: str, accs: list[float], **extra: object) -> Path:
+    """A finished run's files as the server writes them (``compare`` reads nothing else)."""
+    from shared.results import write_rounds, write_summary
+
+    run = root / name
+    run.mkdir(parents=True)
+    rows = [
+        {
+            "round": i + 1,
+            "outcome": "completed",
+            "accuracy": a,
+            "bytes_up": 100,
+            "bytes_down": 100,
+            "cum_bytes_up": 100 * (i + 1),
+            "cum_bytes_down": 100 * (i + 1),
+            "participants": 2,
+            "selected": 2,
+        }
+        for i, a in enumerate(accs)
+    ]
+    write_rounds(run, rows)
+    summary = {
+        "algorithm": algorithm,
+        "transport": "inproc",
+        "rounds": len(accs),
+        "final_accuracy": accs[-1],
+        "best_accuracy": max(accs),
+        **extra,
+    }
+    write_summary(run, summary)
+    return run
+
+
+def _table_row(out: str, label: str) -> list[str]:
+    """The cells of the table row whose first cell is ``label``."""
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.strip("│┃ ").split("│")]
+        if cells and cells[0] == label:
+            return cells[1:]
+    raise AssertionError(f"no row {label!r} in:\n{out}")
+
+
+def test_compare_files_global_and_personalised_accuracy_in_rows_of_their_own(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    glob = _fake_run(tmp_path, "g", "fedavg", [0.5, 0.8125])
+    pers = _fake_run(tmp_path, "p", "spafl", [0.6, 0.9375], personal_accuracy_mean=0.875)
+    assert cli("compare", str(glob), str(pers)) == 0
+    out = capsys.readouterr().out
+    assert _table_row(out, "accuracy measured on") == ["global model", "own models"]
+    assert _table_row(out, "final accuracy, global model") == ["0.8125", "-"]
+    assert _table_row(out, "final accuracy, personalised (participants)") == ["-", "0.9375"]
+    assert _table_row(out, "personalised accuracy, mean over all devices") == ["-", "0.8750"]
+    text = " ".join(out.split())
+    assert "g: accuracy is the global model on the central test split" in text
+    assert "p: accuracy is each device's own model on its own test split" in text
+
+
+def test_compare_plot_makes_the_user_choose_when_runs_measure_accuracy_differently(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shared.results
+
+    glob = _fake_run(tmp_path, "g", "fedavg", [0.5, 0.8])
+    pers = _fake_run(tmp_path, "p", "hermes", [0.6, 0.9])
+    drawn: list[tuple[list[str], str]] = []
+    real = shared.results.plot_compare
+
+    def spy(runs: dict[str, list[dict[str, object]]], out: Path, *, ylabel: str = "accuracy") -> Path:
+        drawn.append((list(runs), ylabel))
+        return real(runs, out, ylabel=ylabel)
+
+    monkeypatch.setattr(shared.results, "plot_compare", spy)
+    png = tmp_path / "cmp.png"
+    # mixed kinds and no choice: refused, saying which run is which
+    assert cli("compare", str(glob), str(pers), "--plot", str(png)) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "--accuracy" in err and "global: g" in err and "personalised: p" in err
+    assert not png.exists() and not drawn
+    # one kind: only its runs, the axis says which accuracy
+    assert cli("compare", str(glob), str(pers), "--plot", str(png), "--accuracy", "personalised") == 0
+    assert drawn[-1] == (["p"], "accuracy, each device's own model")
+    assert "not plotted (accuracy of another kind): g" in capsys.readouterr().out
+    # both, each labelled with its kind
+    assert cli("compare", str(glob), str(pers), "--plot", str(png), "--accuracy", "both") == 0
+    assert drawn[-1] == (["g (global)", "p (personalised)"], "accuracy (see legend)")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # runs of one kind plot without a choice
+    assert cli("compare", str(glob), str(glob), "--plot", str(png)) == 0
+    assert drawn[-1] == (["g"], "accuracy, global model")

@@ -120,13 +120,14 @@ def read_summary(run_dir: Path) -> dict[str, Any]:
     return data
 
 
-def plot_compare(runs: dict[str, list[dict[str, Any]]], out: Path) -> Path:
+def plot_compare(runs: dict[str, list[dict[str, Any]]], out: Path, *, ylabel: str = "accuracy") -> Path:
     """One figure for several runs: accuracy vs round and accuracy vs cumulative wire bytes.
 
     Why: the question this tool answers is "what does each algorithm cost in bytes for the accuracy
     it reaches"; two runs' ``accuracy_vs_bytes.png`` side by side have different axes, one overlay
     does not. ``runs`` maps a label to its ``rounds.csv`` rows; the bytes axis is logarithmic because
-    algorithms differ by orders of magnitude (threshold-only vs dense models).
+    algorithms differ by orders of magnitude (threshold-only vs dense models). ``ylabel`` says what
+    the accuracy measured (global model or each device's own: the caller keeps the kinds apart).
     """
     import matplotlib
 
@@ -151,7 +152,7 @@ def plot_compare(runs: dict[str, list[dict[str, Any]]], out: Path) -> Path:
     by_bytes.set_xlabel("cumulative wire bytes, up + down (MB, log scale)")
     by_bytes.set_xscale("log")
     for ax in (by_round, by_bytes):
-        ax.set_ylabel("accuracy")
+        ax.set_ylabel(ylabel)
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)
     by_bytes.legend(fontsize=8, loc="lower right")
