@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from services.cli import main
 from tests.conftest import write_config
@@ -152,3 +153,64 @@ def test_compare_plot_makes_the_user_choose_when_runs_measure_accuracy_different
     # runs of one kind plot without a choice
     assert cli("compare", str(glob), str(glob), "--plot", str(png)) == 0
     assert drawn[-1] == (["g"], "accuracy, global model")
+
+
+# -- one definition and one name of compression ------------------------------------------------------
+def _dense_over_wire(expr: str) -> bool:
+    """True iff ``expr`` divides dense-equivalent bytes by wire bytes (in that order)."""
+    dense, slash, wire = expr.partition("/")
+    return bool(slash) and "fedfleet_dense_bytes_total" in dense and "fedfleet_wire_bytes_total" in wire
+
+
+def test_results_report_compression_as_dense_over_wire(tmp_path: Path) -> None:
+    """``summary.json`` and ``rounds.csv`` carry ``compression_ratio_up``/``_down`` = dense / wire."""
+    import json
+
+    from services.orchestrator import run_inproc
+    from shared.config import load_config
+    from shared.results import read_rounds
+
+    cfg = load_config(write_config(tmp_path / "c.yaml", rounds=2))
+    run = tmp_path / "run"
+    run.mkdir()
+    assert run_inproc(cfg, run, "compression-test", show_progress=False) == 0
+    s = json.loads((run / "summary.json").read_text())
+    assert "compression" + "_up" not in s
+    for d in ("up", "down"):
+        assert s[f"compression_ratio_{d}"] == pytest.approx(s[f"dense_bytes_{d}"] / s[f"bytes_{d}"])
+        # FedAvg sends dense float32: headers make the wire a little larger, so just under 1
+        assert 0.9 < s[f"compression_ratio_{d}"] < 1.0
+    rows = read_rounds(run)
+    assert len(rows) == 2
+    for row in rows:
+        for d in ("up", "down"):
+            ratio = row[f"dense_bytes_{d}"] / row[f"bytes_{d}"]
+            assert row[f"compression_ratio_{d}"] == pytest.approx(ratio, rel=1e-5)
+
+
+def test_prometheus_rule_and_dashboard_define_compression_the_same_way() -> None:
+    import json
+
+    rules = yaml.safe_load((ROOT / "deploy/prometheus/rules.yml").read_text())
+    recorded = {r["record"]: r["expr"] for g in rules["groups"] for r in g["rules"] if "record" in r}
+    assert _dense_over_wire(recorded["fedfleet:compression_ratio"])
+    dashboard = json.loads((ROOT / "deploy/grafana/dashboards/communication-cost.json").read_text())
+    panels = [p for p in dashboard["panels"] if p.get("type") != "row"]
+    about = [p for p in panels if "compression" in (p["title"] + p.get("description", "")).lower()]
+    assert len(about) >= 2, "the dashboard shows the compression ratio"
+    for panel in about:
+        assert panel["title"].startswith("Compression ratio (dense-equivalent / wire)"), panel["title"]
+        exprs = [t["expr"] for t in panel["targets"]]
+        assert exprs and all(_dense_over_wire(e) for e in exprs), (panel["title"], exprs)
+    for panel in panels:  # no other panel divides the two the other way round
+        for t in panel.get("targets", []):
+            wire, slash, dense = t["expr"].partition("/")
+            assert not (slash and "wire_bytes" in wire and "dense_bytes" in dense), panel["title"]
+
+
+def test_no_tracked_file_uses_the_old_compression_name() -> None:
+    import subprocess
+
+    old = "compression" + "_up"
+    out = subprocess.run(["git", "grep", "-n", "-w", old], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 1, f"the old name {old!r} is still used:\n{out.stdout}"
