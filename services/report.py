@@ -14,7 +14,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from shared.results import read_rounds, read_summary
+from shared.results import DEAD_LETTERS_FILE, read_dead_letters, read_rounds, read_summary
 
 console = Console(stderr=True)
 
@@ -127,10 +127,36 @@ def print_report(run_dir: Path) -> None:
         if s.get(key) is not None:
             st.add_row(label, fmt(s[key]))
     out.print(st)
+    _print_dead_letters(out, run_dir, s)
     out.print(
         f"files: {run_dir}/{{rounds.csv, devices.csv, summary.json, "
         "accuracy_vs_round.png, accuracy_vs_bytes.png}"
     )
+
+
+def _print_dead_letters(out: Console, run_dir: Path, summary: dict[str, Any]) -> None:
+    """Why messages were refused: counts and bytes by reason, kind and sender, from the run's
+    ``dead_letters.jsonl`` (or only the reasons' counts in ``summary.json`` when that is all there is).
+
+    Why here: a non-zero "dead-lettered" with no reason sends the user to the broker, where the
+    queue may be gone; the reasons (``oversized``, ``stale-round``, ``forged``, ...) say what to fix.
+    """
+    records = read_dead_letters(run_dir)
+    if not records:
+        reasons = summary.get("dead_letter_reasons") or {}
+        if reasons:
+            out.print("dead letters by reason: " + ", ".join(f"{r} {n}" for r, n in reasons.items()))
+        return
+    groups: dict[tuple[str, str, str], list[int]] = {}
+    for rec in records:
+        key = (str(rec.get("reason")), str(rec.get("kind") or "?"), str(rec.get("sender") or "?"))
+        groups.setdefault(key, []).append(int(rec.get("size") or 0))
+    t = Table(title=f"dead letters of {run_dir.name} ({DEAD_LETTERS_FILE})")
+    for col in ("reason", "kind", "sender", "messages", "bytes"):
+        t.add_column(col, justify="right" if col in ("messages", "bytes") else "left")
+    for (reason, kind, sender), sizes in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+        t.add_row(reason, kind, sender, str(len(sizes)), _fmt_bytes(sum(sizes)))
+    out.print(t)
 
 
 def report(run: str) -> int:

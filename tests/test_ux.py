@@ -214,3 +214,114 @@ def test_no_tracked_file_uses_the_old_compression_name() -> None:
     old = "compression" + "_up"
     out = subprocess.run(["git", "grep", "-n", "-w", old], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 1, f"the old name {old!r} is still used:\n{out.stdout}"
+
+
+# -- a tidy broker -----------------------------------------------------------------------------------
+def _management(url: str, path: str) -> list[dict[str, object]]:
+    """GET a list from RabbitMQ's management API (``make broker`` enables it; a test fails without)."""
+    import base64
+    import json
+    import urllib.request
+
+    import pika
+
+    params = pika.URLParameters(url)
+    auth = base64.b64encode(f"{params.credentials.username}:{params.credentials.password}".encode())
+    req = urllib.request.Request(f"http://{params.host}:15672/api/{path}")
+    req.add_header("Authorization", "Basic " + auth.decode())
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        data = json.loads(resp.read())
+    assert isinstance(data, list)
+    return data
+
+
+def broker_objects(url: str, experiment: str) -> set[str]:
+    """The names of the queues and exchanges the broker holds for ``experiment``."""
+    prefix = f"ff.{experiment}."
+    queues = {str(q["name"]) for q in _management(url, "queues/%2F?columns=name")}
+    exchanges = {str(e["name"]) for e in _management(url, "exchanges/%2F?columns=name")}
+    return {n for n in queues | exchanges if n.startswith(prefix) or n == prefix[:-1]}
+
+
+def queue_depth(url: str, queue: str) -> int:
+    import pika
+
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        return int(conn.channel().queue_declare(queue, passive=True).method.message_count)
+    finally:
+        conn.close()
+
+
+@pytest.mark.broker
+def test_run_end_exports_dead_letters_keeps_them_and_removes_everything_else(
+    broker_url: str, experiment_id: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The run-end clean-up against the real broker: the dead letters go to ``dead_letters.jsonl``
+    (reason, kind, sender, size) and stay in their queue; every other queue goes, including a killed
+    aggregator's session queue whose name only the management API knows; ``report`` shows why."""
+    import uuid
+
+    from services.orchestrator import export_dead_letters, tidy_broker
+    from shared.schemas import Kind, Stop, encode
+    from shared.transport import Delivery
+    from shared.transport.amqp import AmqpTransport
+    from tests.conftest import wait_for
+
+    t = AmqpTransport(broker_url, experiment_id)
+    n = t.names
+    try:
+        t.declare_queue(n.server_queue, ["server"])
+        orphan = n.aggregator_queue(f"aggregator-0-{uuid.uuid4().hex[:8]}")  # its process was killed
+        t.declare_queue(orphan, ["aggregators"], expires_s=600)
+        stop = encode(Kind.STOP, Stop(), exp=experiment_id, round=3, sender="server")
+        t.publish("server", stop)
+        t.publish("server", b"\xc1not msgpack")
+        got: list[Delivery] = []
+
+        def handle(d: Delivery) -> None:  # the services' own dead-letter path
+            got.append(d)
+            t.dead_letter(d, "stale-round" if len(got) == 1 else "malformed", "from the test")
+
+        t.consume(n.server_queue, handle, prefetch=10)
+        wait_for(lambda: t.process(0.1) or len(got) == 2, 20, "two deliveries")
+    finally:
+        t.close()
+    assert orphan in broker_objects(broker_url, experiment_id)
+
+    run = _fake_run(tmp_path, "run", "fedavg", [0.5], dead_lettered=2)
+    try:
+        records = export_dead_letters(broker_url, experiment_id, run)
+        by_reason = {r["reason"]: r for r in records}
+        assert set(by_reason) == {"stale-round", "malformed"}
+        assert by_reason["stale-round"]["kind"] == "stop" and by_reason["stale-round"]["round"] == 3
+        assert by_reason["stale-round"]["size"] == len(stop)
+        assert by_reason["malformed"]["kind"] is None and by_reason["malformed"]["size"] == 12
+        assert all(r["sender"] == t.user and r["detail"] == "from the test" for r in records)
+        lines = (run / "dead_letters.jsonl").read_text().splitlines()
+        assert len(lines) == 2
+        assert queue_depth(broker_url, n.dead_letter_queue) == 2  # exporting did not consume them
+
+        tidy_broker(broker_url, experiment_id, keep_dead_letters=True)
+        assert broker_objects(broker_url, experiment_id) == {n.dead_letter_queue}
+        assert queue_depth(broker_url, n.dead_letter_queue) == 2
+
+        assert cli("report", str(run)) == 0
+        out = capsys.readouterr().out
+        assert "stale-round" in out and "malformed" in out and "dead_letters.jsonl" in out
+    finally:
+        tidy_broker(broker_url, experiment_id)
+    assert broker_objects(broker_url, experiment_id) == set()
+
+
+@pytest.mark.broker
+def test_an_empty_dead_letter_queue_does_not_outlive_the_run(broker_url: str, experiment_id: str) -> None:
+    from services.orchestrator import tidy_broker
+    from shared.transport.amqp import AmqpTransport
+
+    t = AmqpTransport(broker_url, experiment_id)
+    t.declare_queue(t.names.updates_queue, ["update"])
+    t.close()
+    assert t.names.dead_letter_queue in broker_objects(broker_url, experiment_id)
+    tidy_broker(broker_url, experiment_id, keep_dead_letters=True)
+    assert broker_objects(broker_url, experiment_id) == set()

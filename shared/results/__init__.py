@@ -149,6 +149,31 @@ def read_summary(run_dir: Path) -> dict[str, Any]:
     return data
 
 
+#: one JSON object per message the run's dead-letter queue held at the end (``fedfleet run``)
+DEAD_LETTERS_FILE = "dead_letters.jsonl"
+
+
+def write_dead_letters(run_dir: Path, records: list[dict[str, Any]]) -> Path:
+    """``dead_letters.jsonl``: per dead letter its reason, detail, kind, sender and size in bytes.
+
+    Why a file: the broker's dead-letter queue outlives neither a ``make down`` nor a purge, and a
+    queue is not where a person looks for a run's results; the run directory is.
+    """
+    path = run_dir / DEAD_LETTERS_FILE
+    with path.open("w") as f:
+        for rec in records:
+            f.write(json.dumps(rec, sort_keys=True) + "\n")
+    return path
+
+
+def read_dead_letters(run_dir: Path) -> list[dict[str, Any]] | None:
+    """The exported dead letters (None: the run exported none, e.g. an in-process run)."""
+    path = run_dir / DEAD_LETTERS_FILE
+    if not path.exists():
+        return None
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def plot_compare(runs: dict[str, list[dict[str, Any]]], out: Path, *, ylabel: str = "accuracy") -> Path:
     """One figure for several runs: accuracy vs round and accuracy vs cumulative wire bytes.
 
