@@ -8,6 +8,8 @@ that leaves the broker as it found it except for its dead letters, which it expo
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 
 import pytest
@@ -325,3 +327,120 @@ def test_an_empty_dead_letter_queue_does_not_outlive_the_run(broker_url: str, ex
     assert t.names.dead_letter_queue in broker_objects(broker_url, experiment_id)
     tidy_broker(broker_url, experiment_id, keep_dead_letters=True)
     assert broker_objects(broker_url, experiment_id) == set()
+
+
+# -- the README's sample output is what `make run` prints ----------------------------------------------
+SAMPLE_RUN_ID = "qs-amqp"  # the run id the README's sample was made with
+ELISION = "  ..."
+_CLOCK = re.compile(r"\d+:\d\d:\d\d$")
+
+
+def readme_sample(doc: Path) -> list[str]:
+    """The lines between the ``quickstart-output`` markers of ``doc``, without the code fence."""
+    text = doc.read_text()
+    begin, end = "<!-- quickstart-output:begin -->", "<!-- quickstart-output:end -->"
+    assert text.count(begin) == 1 and text.count(end) == 1, f"{doc} needs one {begin} ... {end} block"
+    block = text.split(begin, 1)[1].split(end, 1)[0].strip().splitlines()
+    assert block[0].startswith("```") and block[-1] == "```"
+    return block[1:-1]
+
+
+def _is_round_row(line: str) -> bool:
+    cells = line.split("│")
+    return len(cells) > 2 and cells[1].strip().isdigit()
+
+
+def normalise(line: str) -> str:
+    """A printed line with what differs between identical runs masked: the clock, each round's
+    wall time and the wall seconds (accuracies and bytes are deterministic for one seed)."""
+    line = _CLOCK.sub("H:MM:SS", line.rstrip())
+    cells = line.split("│")
+    if _is_round_row(line):
+        cells[-2] = "#" * len(cells[-2])  # round s
+    elif len(cells) > 2 and cells[1].strip() == "wall seconds":
+        cells[2] = "#" * len(cells[2])
+    return "│".join(cells)
+
+
+def matches_sample(printed: list[str], sample: list[str]) -> list[str]:
+    """Differences between what a run printed and the documented sample (empty: in step).
+
+    The sample may leave out consecutive round rows (one ``  ...`` line); every other line must be
+    there, in order, and nothing may be missing or added.
+    """
+    got = [normalise(line) for line in printed if line.strip()]
+    want = [normalise(line) for line in sample]
+    problems: list[str] = []
+    i = 0
+    for j, line in enumerate(want):
+        if line == ELISION:
+            nxt = want[j + 1] if j + 1 < len(want) else None
+            while i < len(got) and got[i] != nxt and _is_round_row(got[i]):
+                i += 1
+            continue
+        if i >= len(got):
+            problems.append(f"documented but not printed: {line!r}")
+        elif got[i] != line:
+            problems.append(f"printed {got[i]!r}, documented {line!r}")
+        i += 1
+    problems += [f"printed but not documented: {extra!r}" for extra in got[i:]]
+    return problems
+
+
+def test_the_sample_comparison_catches_a_stale_line() -> None:
+    """``matches_sample`` can fail: a changed number, a missing or an extra line are reported, an
+    elided round range and the masked times are not."""
+    sample = readme_sample(ROOT / "README.md")
+    cut = sample.index(ELISION)
+    row = sample[cut - 1]  # a round row, standing in for the rounds the sample leaves out
+    printed = [*sample[:cut], row, row, *sample[cut + 1 :]]
+    assert matches_sample(printed, sample) == []
+    stale = [line.replace("0.9125", "0.9158") for line in sample]
+    assert matches_sample(printed, stale)
+    assert matches_sample(printed[:-1], sample)
+    assert matches_sample([*printed, "one more line"], sample)
+    assert matches_sample([*printed[:2], *printed[3:]], sample)  # a table line missing
+    retimed = [_CLOCK.sub("0:01:07", line) for line in printed]
+    assert matches_sample(retimed, sample) == []
+
+
+@pytest.mark.broker
+@pytest.mark.slow
+def test_readme_sample_output_is_what_make_run_prints(broker_url: str) -> None:
+    """Run the quickstart as ``make run`` does (``fedfleet run experiments/quickstart.yaml``) over
+    the broker and compare what it prints with the README's sample, line by line. The run id has the
+    sample's length, so the tables are laid out alike, and is unique, so concurrent runs on a shared
+    broker do not meet. Also: the run leaves no queue or exchange behind, writes an (empty)
+    ``dead_letters.jsonl``, and what it prints and writes holds repo-relative paths only."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    import uuid
+
+    run_id = f"qs-{uuid.uuid4().hex[:4]}"
+    assert len(run_id) == len(SAMPLE_RUN_ID)
+    run_dir = ROOT / "runs" / run_id
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    env["RABBITMQ_URL"] = broker_url
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "services.cli", "run", "experiments/quickstart.yaml", "--run-id", run_id],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=400,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        printed = (proc.stderr + proc.stdout).replace(run_id, SAMPLE_RUN_ID).splitlines()
+        problems = matches_sample(printed, readme_sample(ROOT / "README.md"))
+        assert not problems, "README.md's sample output is stale:\n" + "\n".join(problems)
+        assert str(ROOT) not in proc.stdout + proc.stderr
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["dead_lettered"] == 0 and (run_dir / "dead_letters.jsonl").read_text() == ""
+        for name in ("summary.json", "ports.json", "config.yaml", "rounds.csv", "devices.csv"):
+            assert str(ROOT) not in (run_dir / name).read_text(), name
+        assert broker_objects(broker_url, run_id) == set()
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
