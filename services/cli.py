@@ -9,6 +9,7 @@ a results table and leaves ``runs/<run-id>/``. The per-service commands (``serve
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import signal
@@ -390,7 +391,88 @@ def _build(cfg: ExperimentConfig) -> Experiment | str:
 def _cannot_run(cfg: ExperimentConfig) -> str | None:
     """Why this machine cannot run ``cfg`` (None: it can)."""
     built = _build(cfg)
-    return built if isinstance(built, str) else None
+    if isinstance(built, str):
+        return built
+    return _too_small_for_messages(built)
+
+
+def message_sizes(exp: Experiment) -> dict[str, int]:
+    """The largest messages the experiment's first round sends, in bytes, by what they are.
+
+    ``task``: the largest task or shared payload of round 1, encoded exactly as the server encodes
+    them (``services.server.fanout``) for every device of the fleet. ``partial``: an aggregator's
+    partial reduction of one update shaped like that task (the reduction keeps float64 sums, so it
+    is often the biggest message); left out for an algorithm whose update cannot have a task's shape.
+    Why round 1: later rounds of the shipped algorithms send the same shapes (sparse ones fewer bytes).
+    """
+    from services.common import encode_tensors
+    from services.server import fanout
+    from services.server.service import Server
+    from shared import schemas
+    from shared.algorithms.base import Partial, UpdateSpec
+
+    registry = Server._device_infos(exp)
+    devices = sorted(registry)
+    strategy = exp.strategy
+    specs = strategy.plan(strategy.init_state(), 1, devices, registry)
+    exp_id, key = exp.cfg.name, "0" * 32
+
+    def encode(kind: schemas.Kind, body: Any) -> bytes:
+        return schemas.encode(kind, body, exp=exp_id, round=1, sender="server", inc="0" * 12, key=key)
+
+    planned = [d for d in devices if d in specs]
+    out = fanout.build(
+        schemas.Kind.TASK,
+        specs,
+        planned,
+        host_of=lambda d: "host",
+        route=lambda h: f"host.{h}",
+        task_key=lambda d: key,
+        encode=encode,
+    )
+    sizes = {"task": max([len(t.data) for t in out.tasks] + [len(d) for _, _, d in out.payloads] + [0])}
+    biggest = max((specs[d] for d in planned), key=lambda s: _codec_bytes(s.tensors), default=None)
+    if biggest is not None and biggest.tensors:
+        try:
+            partial = strategy.reduce(Partial(), UpdateSpec(dict(biggest.tensors), num_samples=1))
+        except Exception:  # an update of another shape than the task (thresholds, masks): no estimate
+            return sizes
+        tensors, scalars = partial.to_wire()
+        body = schemas.Partial(
+            aggregator_id="aggregator-0-00000000",
+            seq=0,
+            devices=list(range(math.ceil(exp.cfg.devices_per_round * exp.cfg.emulation.over_selection))),
+            tensors=encode_tensors(tensors)[0],
+            scalars=scalars,
+        )
+        sizes["partial"] = len(encode(schemas.Kind.PARTIAL, body))
+    return sizes
+
+
+def _codec_bytes(tensors: dict[str, Any]) -> int:
+    """Dense-equivalent bytes of named tensors (to pick the largest task)."""
+    from shared import codec
+
+    return sum(codec.dense_bytes(t) for t in tensors.values())
+
+
+def _too_small_for_messages(exp: Experiment) -> str | None:
+    """Why ``processes.max_message_bytes`` cannot carry the experiment's messages (None: it can).
+
+    Why check before running: every service dead-letters a message over the limit unread, so a limit
+    below the model's size let the run start and then fail as "only 0 of 20 devices registered",
+    nowhere near the cause. Validation says how big the messages are instead.
+    """
+    limit = exp.cfg.processes.max_message_bytes
+    sizes = message_sizes(exp)
+    if max(sizes.values()) <= limit:
+        return None
+    what = {"task": "a round-1 task or shared payload", "partial": "an aggregator's partial"}
+    listed = " and ".join(f"{what[k]} {v:,} bytes" for k, v in sizes.items())
+    return (
+        f"processes.max_message_bytes ({limit:,}) is smaller than the messages this experiment sends: "
+        f"{listed}; set it to at least {max(sizes.values()):,} or leave it out (default 256 MiB)"
+    )
 
 
 def _experiment(cfg: ExperimentConfig, source: str) -> Experiment:

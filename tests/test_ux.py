@@ -47,6 +47,40 @@ def test_known_dataset_names_and_aliases_still_validate(tmp_path: Path, name: st
     assert cli("validate", str(cfg), "--syntax-only") == 0
 
 
+def test_a_message_limit_below_the_experiments_messages_is_rejected_saying_how_big_they_are(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``processes.max_message_bytes: 1024`` used to pass validation and fail the run as "only 0 of
+    8 devices registered". Now validation (and so ``run``) refuses it with the messages' sizes, and
+    the limit it asks for is enough for the run."""
+    import json
+
+    from services.cli import _build, message_sizes
+    from services.orchestrator import run_inproc
+    from shared.config import load_config
+
+    small = write_config(tmp_path / "small.yaml", processes={"max_message_bytes": 1024})
+    assert cli("validate", str(small)) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    exp = _build(load_config(small))
+    assert not isinstance(exp, str)
+    sizes = message_sizes(exp)
+    dense = 2410 * 4  # the test model's 2,410 float32 parameters
+    assert dense < sizes["task"] < dense + 2000  # the global model, plus its envelope
+    assert 2 * dense < sizes["partial"] < 2 * dense + 2000  # float64 sums
+    assert "processes.max_message_bytes (1,024)" in err
+    assert f"{sizes['task']:,} bytes" in err and f"{sizes['partial']:,} bytes" in err
+    assert cli("validate", str(small), "--syntax-only") == 0  # sizes need the model: not a syntax check
+
+    enough = max(sizes.values())
+    cfg_path = write_config(tmp_path / "ok.yaml", rounds=2, processes={"max_message_bytes": enough})
+    assert cli("validate", str(cfg_path)) == 0
+    run = tmp_path / "run"
+    run.mkdir()
+    assert run_inproc(load_config(cfg_path), run, "limit-test", show_progress=False) == 0
+    assert json.loads((run / "summary.json").read_text())["rounds_completed"] == 2
+
+
 # -- an explicit broker that does not answer -------------------------------------------------------
 def test_an_explicit_rabbitmq_url_that_does_not_answer_is_an_error_naming_the_host(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
