@@ -365,6 +365,8 @@ def test_an_empty_dead_letter_queue_does_not_outlive_the_run(broker_url: str, ex
 
 # -- the README's sample output is what `make run` prints ----------------------------------------------
 SAMPLE_RUN_ID = "qs-amqp"  # the run id the README's sample was made with
+#: the documents that show the quickstart's output (between ``quickstart-output`` markers)
+SAMPLE_DOCS = ("README.md", "docs/getting-started.md")
 ELISION = "  ..."
 _CLOCK = re.compile(r"\d+:\d\d:\d\d$")
 
@@ -421,10 +423,11 @@ def matches_sample(printed: list[str], sample: list[str]) -> list[str]:
     return problems
 
 
-def test_the_sample_comparison_catches_a_stale_line() -> None:
+@pytest.mark.parametrize("doc", SAMPLE_DOCS)
+def test_the_sample_comparison_catches_a_stale_line(doc: str) -> None:
     """``matches_sample`` can fail: a changed number, a missing or an extra line are reported, an
     elided round range and the masked times are not."""
-    sample = readme_sample(ROOT / "README.md")
+    sample = readme_sample(ROOT / doc)
     cut = sample.index(ELISION)
     row = sample[cut - 1]  # a round row, standing in for the rounds the sample leaves out
     printed = [*sample[:cut], row, row, *sample[cut + 1 :]]
@@ -468,8 +471,9 @@ def test_readme_sample_output_is_what_make_run_prints(broker_url: str) -> None:
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
         printed = (proc.stderr + proc.stdout).replace(run_id, SAMPLE_RUN_ID).splitlines()
-        problems = matches_sample(printed, readme_sample(ROOT / "README.md"))
-        assert not problems, "README.md's sample output is stale:\n" + "\n".join(problems)
+        for doc in SAMPLE_DOCS:
+            problems = matches_sample(printed, readme_sample(ROOT / doc))
+            assert not problems, f"{doc}'s sample output is stale:\n" + "\n".join(problems)
         assert str(ROOT) not in proc.stdout + proc.stderr
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["dead_lettered"] == 0 and (run_dir / "dead_letters.jsonl").read_text() == ""
