@@ -268,9 +268,39 @@ def run_inproc(
     cluster = InprocCluster(exp if exp is not None else Experiment.build(cfg), run_dir, run_id)
     try:
         with RoundProgress(cfg.rounds, enabled=show_progress) as progress:
-            return cluster.run(on_round=on_round, progress=progress)
+            rc = cluster.run(on_round=on_round, progress=progress)
+        if rc == 0 and cluster.broker is not None and (run_dir / "summary.json").exists():
+            _record_inproc_dead_letters(cluster.broker, run_id, run_dir)
+        return rc
     finally:
         cluster.close()
+
+
+def _record_inproc_dead_letters(broker: Any, experiment: str, run_dir: Path) -> None:
+    """What ``fedfleet run`` records over RabbitMQ, for a run over the in-process broker: its dead
+    letters in ``dead_letters.jsonl``, their count and reasons in ``summary.json``."""
+    from shared.results import write_dead_letters
+    from shared.transport import names
+
+    records = []
+    for msg in broker.queues.get(names(experiment).dead_letter_queue, ()):
+        # in process, a dead letter keeps its original sender as its user
+        headers = {"x-fedfleet-user": msg.user_id, "x-original-key": msg.key, **msg.headers}
+        records.append(dead_letter_record(headers, None, msg.body))
+    write_dead_letters(run_dir, records)
+    summarise_dead_letters(run_dir, records)
+
+
+def summarise_dead_letters(run_dir: Path, records: list[dict[str, Any]]) -> None:
+    """``summary.json`` gets the dead letters' count and the count of each reason."""
+    from collections import Counter
+
+    from shared.results import read_summary, write_summary
+
+    summary = read_summary(run_dir)
+    summary["dead_lettered"] = len(records)
+    summary["dead_letter_reasons"] = dict(Counter(r["reason"] for r in records).most_common())
+    write_summary(run_dir, summary)
 
 
 def run_inproc_once(cfg: ExperimentConfig, run_dir: Path, run_id: str, *, force: bool = False) -> bool:
@@ -581,15 +611,10 @@ def run_processes(
 def _record_dead_letters_and_clean(cluster: ProcessCluster) -> None:
     """Export the dead letters into the run directory and their count and reasons into
     ``summary.json``, then tidy the broker, keeping a dead-letter queue that holds messages."""
-    from collections import Counter
-
-    from shared.results import DEAD_LETTERS_FILE, read_summary, write_summary
+    from shared.results import DEAD_LETTERS_FILE
 
     records = export_dead_letters(cluster.url, cluster.experiment_id, cluster.run_dir)
-    summary = read_summary(cluster.run_dir)
-    summary["dead_lettered"] = len(records)
-    summary["dead_letter_reasons"] = dict(Counter(r["reason"] for r in records).most_common())
-    write_summary(cluster.run_dir, summary)
+    summarise_dead_letters(cluster.run_dir, records)
     cluster.cleanup_broker(keep_dead_letters=True)
     if records:
         from shared.transport import names

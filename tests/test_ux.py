@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -287,6 +288,36 @@ def queue_depth(url: str, queue: str) -> int:
         return int(conn.channel().queue_declare(queue, passive=True).method.message_count)
     finally:
         conn.close()
+
+
+GARBAGE = b"\xc1 not a message"  # 0xc1 is never valid msgpack
+
+
+def test_an_in_process_run_records_its_dead_letters_too(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without a broker the run directory says the same: ``dead_letters.jsonl`` and the reasons in
+    ``summary.json`` and ``fedfleet report``."""
+    import json
+
+    from services.orchestrator import run_inproc
+    from shared.config import load_config
+
+    cfg = load_config(write_config(tmp_path / "c.yaml", rounds=2))
+    run = tmp_path / "run"
+    run.mkdir()
+
+    def garbage(server: Any) -> None:
+        if len(server.rows) == 1:  # after round 1: the server reads it during round 2
+            server.transport.publish("server", GARBAGE)
+
+    assert run_inproc(cfg, run, "dl-test", on_round=garbage, show_progress=False) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["dead_lettered"] == 1 and summary["dead_letter_reasons"] == {"malformed": 1}
+    (rec,) = [json.loads(line) for line in (run / "dead_letters.jsonl").read_text().splitlines()]
+    assert rec["reason"] == "malformed" and rec["size"] == len(GARBAGE) and rec["kind"] is None
+    assert cli("report", str(run)) == 0
+    assert "malformed" in capsys.readouterr().out
 
 
 @pytest.mark.broker
