@@ -221,7 +221,8 @@ def _plot(run_paths: list[str], kinds: dict[str, str], path: Path, accuracy: str
         out.print(f"not plotted (accuracy of another kind): {', '.join(left_out)}")
     ylabel = "accuracy (see legend)" if accuracy == "both" else f"accuracy, {_SHORT[accuracy]}"
     try:
-        drawn = plot_compare(runs, path, ylabel=ylabel)
+        dashed = frozenset(label for label in runs if label.endswith("(personalised)"))
+        drawn = plot_compare(runs, path, ylabel=ylabel, dashed=dashed)
     except ValueError as err:
         console.print(f"[red]--plot: {err}[/red]")
         return 2

@@ -168,9 +168,9 @@ def test_compare_plot_makes_the_user_choose_when_runs_measure_accuracy_different
     drawn: list[tuple[list[str], str]] = []
     real = shared.results.plot_compare
 
-    def spy(runs: dict[str, list[dict[str, object]]], out: Path, *, ylabel: str = "accuracy") -> Path:
-        drawn.append((list(runs), ylabel))
-        return real(runs, out, ylabel=ylabel)
+    def spy(runs: dict[str, list[dict[str, object]]], out: Path, **kw: Any) -> Path:
+        drawn.append((list(runs), kw["ylabel"]))
+        return real(runs, out, **kw)
 
     monkeypatch.setattr(shared.results, "plot_compare", spy)
     png = tmp_path / "cmp.png"

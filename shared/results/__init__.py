@@ -174,14 +174,21 @@ def read_dead_letters(run_dir: Path) -> list[dict[str, Any]] | None:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def plot_compare(runs: dict[str, list[dict[str, Any]]], out: Path, *, ylabel: str = "accuracy") -> Path:
+def plot_compare(
+    runs: dict[str, list[dict[str, Any]]],
+    out: Path,
+    *,
+    ylabel: str = "accuracy",
+    dashed: frozenset[str] = frozenset(),
+) -> Path:
     """One figure for several runs: accuracy vs round and accuracy vs cumulative wire bytes.
 
     Why: the question this tool answers is "what does each algorithm cost in bytes for the accuracy
     it reaches"; two runs' ``accuracy_vs_bytes.png`` side by side have different axes, one overlay
     does not. ``runs`` maps a label to its ``rounds.csv`` rows; the bytes axis is logarithmic because
     algorithms differ by orders of magnitude (threshold-only vs dense models). ``ylabel`` says what
-    the accuracy measured (global model or each device's own: the caller keeps the kinds apart).
+    the accuracy measured (global model or each device's own: the caller keeps the kinds apart);
+    the runs in ``dashed`` are drawn dashed (another kind of accuracy in the same figure).
     """
     import matplotlib
 
@@ -197,8 +204,9 @@ def plot_compare(runs: dict[str, list[dict[str, Any]]], out: Path, *, ylabel: st
         plotted += 1
         acc = [r["accuracy"] for r in pts]
         cum = [max((r["cum_bytes_up"] + r["cum_bytes_down"]) / 1e6, 1e-6) for r in pts]
-        by_round.plot([r["round"] for r in pts], acc, marker="o", markersize=2, label=label)
-        by_bytes.plot(cum, acc, marker="o", markersize=2, label=label)
+        style = "--" if label in dashed else "-"
+        by_round.plot([r["round"] for r in pts], acc, style, marker="o", markersize=2, label=label)
+        by_bytes.plot(cum, acc, style, marker="o", markersize=2, label=label)
     if not plotted:
         plt.close(fig)
         raise ValueError("none of the runs has an accuracy to plot")
