@@ -464,7 +464,12 @@ def _too_small_for_messages(exp: Experiment) -> str | None:
     nowhere near the cause. Validation says how big the messages are instead.
     """
     limit = exp.cfg.processes.max_message_bytes
-    sizes = message_sizes(exp)
+    try:
+        sizes = message_sizes(exp)
+    except Exception as err:  # sizing is a check on top: a failure in it must not hide the config
+        why = f"{type(err).__name__}: {err}"
+        console.print(f"[yellow]could not size this experiment's messages ({why})[/yellow]")
+        return None
     if max(sizes.values()) <= limit:
         return None
     what = {"task": "a round-1 task or shared payload", "partial": "an aggregator's partial"}
