@@ -8,6 +8,7 @@ that leaves the broker as it found it except for its dead letters, which it expo
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -513,3 +514,40 @@ def test_readme_sample_output_is_what_make_run_prints(broker_url: str) -> None:
         assert broker_objects(broker_url, run_id) == set()
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@pytest.mark.broker
+@pytest.mark.slow
+def test_a_killed_aggregators_queue_does_not_outlive_the_run(
+    cluster: Any, broker_url: str, experiment_id: str, tmp_path: Path
+) -> None:
+    """An aggregator SIGKILLed mid-run cannot delete its session queue (``ff.<exp>.agg.<id>-<session>``)
+    and nobody else knows its name; the run-end clean-up of ``fedfleet run`` still finds and deletes
+    it, with everything else, instead of leaving it for the broker's 600 s expiry."""
+    from services.orchestrator import _record_dead_letters_and_clean
+    from tests.conftest import wait_for
+
+    config = write_config(tmp_path / "c.yaml", rounds=3, round_timeout_s=60)
+    c = cluster(config)
+    server = c.server()
+    victim = c.aggregator("aggregator-0")
+    c.aggregator("aggregator-1")
+    c.client("client-0", "0-3")
+    c.client("client-1", "4-7")
+    agg_prefix = f"ff.{experiment_id}.agg."
+
+    def sessions() -> int:
+        return sum(name.startswith(agg_prefix) for name in broker_objects(broker_url, experiment_id))
+
+    wait_for(lambda: sessions() == 2, 120, "both aggregators' session queues", interval=0.5)
+    victim.kill()
+    rc = server.wait(300)
+    assert rc == 0, server.text()[-3000:]
+    c.shutdown(rc)
+    assert sessions() == 1, "the killed aggregator's queue is there until the clean-up"
+    _record_dead_letters_and_clean(c)
+    left = broker_objects(broker_url, experiment_id)
+    dlq = f"ff.{experiment_id}.dead"
+    assert left <= {dlq}, left
+    summary = json.loads((c.run_dir / "summary.json").read_text())
+    assert (dlq in left) == (summary["dead_lettered"] > 0)
