@@ -668,6 +668,25 @@ def dead_letter_record(headers: dict[str, Any] | None, user_id: str | None, body
     }
 
 
+def broker_addresses(url: str) -> list[str]:
+    """The AMQP URLs in ``url``: one, or several separated by ``;`` (the nodes of a cluster)."""
+    return [u.strip() for u in url.split(";") if u.strip()]
+
+
+def _connect(url: str) -> Any:
+    """A pika connection to the first address of ``url`` that answers."""
+    import pika
+    import pika.exceptions
+
+    error: Exception | None = None
+    for address in broker_addresses(url):
+        try:
+            return pika.BlockingConnection(pika.URLParameters(address))
+        except pika.exceptions.AMQPConnectionError as err:
+            error = err
+    raise ConnectionError(f"no broker answers at {len(broker_addresses(url))} address(es)") from error
+
+
 def export_dead_letters(url: str, experiment: str, run_dir: Path) -> list[dict[str, Any]]:
     """Copy every message of the experiment's dead-letter queue into ``run_dir/dead_letters.jsonl``
     and return the records; the queue keeps the messages.
@@ -675,7 +694,6 @@ def export_dead_letters(url: str, experiment: str, run_dir: Path) -> list[dict[s
     Why read without acking: the messages are fetched unacknowledged and the connection is closed, so
     the broker puts every one back where it was. Exporting must not be what empties the queue.
     """
-    import pika
     import pika.exceptions
 
     from shared.results import write_dead_letters
@@ -683,7 +701,7 @@ def export_dead_letters(url: str, experiment: str, run_dir: Path) -> list[dict[s
 
     dlq = names(experiment).dead_letter_queue
     records: list[dict[str, Any]] = []
-    conn = pika.BlockingConnection(pika.URLParameters(url))
+    conn = _connect(url)
     try:
         ch = conn.channel()
         try:
@@ -721,16 +739,21 @@ def management_queues(url: str, experiment: str, timeout_s: float = 5.0) -> list
 
     from shared.transport import names
 
-    params = pika.URLParameters(url)
-    creds = params.credentials
-    auth = base64.b64encode(f"{creds.username}:{creds.password}".encode()).decode()
-    vhost = urllib.parse.quote(params.virtual_host, safe="")
-    req = urllib.request.Request(f"http://{params.host}:15672/api/queues/{vhost}?columns=name,arguments")
-    req.add_header("Authorization", f"Basic {auth}")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            listed = _json.loads(resp.read())
-    except (OSError, ValueError):
+    listed: Any = None
+    for address in broker_addresses(url):  # any node of a cluster lists every queue
+        params = pika.URLParameters(address)
+        creds = params.credentials
+        auth = base64.b64encode(f"{creds.username}:{creds.password}".encode()).decode()
+        vhost = urllib.parse.quote(params.virtual_host, safe="")
+        req = urllib.request.Request(f"http://{params.host}:15672/api/queues/{vhost}?columns=name,arguments")
+        req.add_header("Authorization", f"Basic {auth}")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+                listed = _json.loads(resp.read())
+            break
+        except (OSError, ValueError):
+            continue
+    if not isinstance(listed, list):
         return None
     dlx = names(experiment).dead_letter_exchange
     return [
@@ -750,7 +773,6 @@ def tidy_broker(
     killed aggregator's session queue, whose name nobody else knows, would otherwise stay until its
     ``x-expires``. The dead-letter queue goes too, unless ``keep_dead_letters`` and it holds messages.
     """
-    import pika
     import pika.exceptions
 
     from shared.transport import names
@@ -763,7 +785,7 @@ def tidy_broker(
     deletes: list[tuple[str, str, dict[str, Any]]] = [("queue", q, {}) for q in queues]
     deletes.append(("queue", n.dead_letter_queue, {"if_empty": keep_dead_letters}))
     deletes += [("exchange", n.exchange, {}), ("exchange", n.dead_letter_exchange, {})]
-    conn = pika.BlockingConnection(pika.URLParameters(url))
+    conn = _connect(url)
     try:
         ch = conn.channel()
         for what, name, kwargs in deletes:
