@@ -2,8 +2,9 @@
 
 Each test here fails without the fix it guards (issue #18): ``compare`` labelling personalised and
 global accuracy, one definition of compression, an explicit broker that does not answer, a message
-limit smaller than the experiment's messages, an unknown dataset under ``--syntax-only``, and a run
-that leaves the broker as it found it except for its dead letters, which it exports.
+limit smaller than the experiment's messages, an unknown dataset under ``--syntax-only``, a run
+that leaves the broker as it found it except for its dead letters, which it exports, and the
+README's sample output kept in step with what ``make run`` prints.
 """
 
 from __future__ import annotations
@@ -55,8 +56,6 @@ def test_a_message_limit_below_the_experiments_messages_is_rejected_saying_how_b
     """``processes.max_message_bytes: 1024`` used to pass validation and fail the run as "only 0 of
     8 devices registered". Now validation (and so ``run``) refuses it with the messages' sizes, and
     the limit it asks for is enough for the run."""
-    import json
-
     from services.cli import _build, message_sizes
     from services.orchestrator import run_inproc
     from shared.config import load_config
@@ -202,8 +201,6 @@ def _dense_over_wire(expr: str) -> bool:
 
 def test_results_report_compression_as_dense_over_wire(tmp_path: Path) -> None:
     """``summary.json`` and ``rounds.csv`` carry ``compression_ratio_up``/``_down`` = dense / wire."""
-    import json
-
     from services.orchestrator import run_inproc
     from shared.config import load_config
     from shared.results import read_rounds
@@ -227,8 +224,6 @@ def test_results_report_compression_as_dense_over_wire(tmp_path: Path) -> None:
 
 
 def test_prometheus_rule_and_dashboard_define_compression_the_same_way() -> None:
-    import json
-
     rules = yaml.safe_load((ROOT / "deploy/prometheus/rules.yml").read_text())
     recorded = {r["record"]: r["expr"] for g in rules["groups"] for r in g["rules"] if "record" in r}
     assert _dense_over_wire(recorded["fedfleet:compression_ratio"])
@@ -258,7 +253,6 @@ def test_no_tracked_file_uses_the_old_compression_name() -> None:
 def _management(url: str, path: str) -> list[dict[str, object]]:
     """GET a list from RabbitMQ's management API (``make broker`` enables it; a test fails without)."""
     import base64
-    import json
     import urllib.request
 
     import pika
@@ -299,8 +293,6 @@ def test_an_in_process_run_records_its_dead_letters_too(
 ) -> None:
     """Without a broker the run directory says the same: ``dead_letters.jsonl`` and the reasons in
     ``summary.json`` and ``fedfleet report``."""
-    import json
-
     from services.orchestrator import run_inproc
     from shared.config import load_config
 
@@ -481,7 +473,6 @@ def test_readme_sample_output_is_what_make_run_prints(broker_url: str) -> None:
     sample's length, so the tables are laid out alike, and is unique, so concurrent runs on a shared
     broker do not meet. Also: the run leaves no queue or exchange behind, writes an (empty)
     ``dead_letters.jsonl``, and what it prints and writes holds repo-relative paths only."""
-    import json
     import shutil
     import subprocess
     import sys
