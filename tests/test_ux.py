@@ -481,7 +481,9 @@ def test_readme_sample_output_is_what_make_run_prints(broker_url: str) -> None:
     run_id = f"qs-{uuid.uuid4().hex[:4]}"
     assert len(run_id) == len(SAMPLE_RUN_ID)
     run_dir = ROOT / "runs" / run_id
-    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    # as a plain pipe shows it: rich's width and colours must not come from the caller's terminal
+    layout = ("COLUMNS", "LINES", "FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE")
+    env = {k: v for k, v in os.environ.items() if k not in layout}
     env["RABBITMQ_URL"] = broker_url
     try:
         proc = subprocess.run(
