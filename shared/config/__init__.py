@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -68,6 +68,24 @@ class DatasetConfig(_Strict):
     #: noise of a sample depends only on the experiment seed and the sample, so every algorithm and
     #: every service sees the same noisy data (Hermes' noisy digits variant uses 0.5)
     feature_noise_std: float = Field(0.0, ge=0)
+
+    @field_validator("name")
+    @classmethod
+    def _known_dataset(cls, name: str) -> str:
+        """An unknown dataset name is an error here, not only when the data is loaded.
+
+        Why: ``fedfleet validate --syntax-only`` (a config meant for a pod or another machine) never
+        loads the data, so a misspelt ``fashion_minst`` passed it and failed only on the cluster.
+        The names and aliases are the loader's own (``shared.data.datasets``), so the two cannot drift.
+        """
+        from shared.data.datasets import _ALIASES, DATASET_NAMES
+
+        key = name.strip().lower()
+        if _ALIASES.get(key, key) not in DATASET_NAMES:
+            hint = difflib.get_close_matches(key, DATASET_NAMES, n=1)
+            extra = f" (did you mean '{hint[0]}'?)" if hint else ""
+            raise ValueError(f"unknown dataset {name!r}{extra}; valid names: {', '.join(DATASET_NAMES)}")
+        return name
 
     @model_validator(mode="after")
     def _check_local_test(self) -> DatasetConfig:
