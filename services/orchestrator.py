@@ -642,6 +642,7 @@ def dead_letter_record(headers: dict[str, Any] | None, user_id: str | None, body
     ``claimed_sender``); ``kind`` and ``round`` from the envelope when it can be read at all.
     """
     from shared import codec
+    from shared.schemas import DecodeError, Envelope, message_parts
 
     headers = headers or {}
     by_service = "x-fedfleet-reason" in headers
@@ -651,17 +652,16 @@ def dead_letter_record(headers: dict[str, Any] | None, user_id: str | None, body
         reason = f"broker-{_text(headers['x-first-death-reason'])}"
     else:
         reason = "unknown"
-    env: Any = None
-    with contextlib.suppress(codec.CodecError):
-        env = codec.unpackb(body, max_bytes=len(body))
-    env = env if isinstance(env, dict) else {}
+    env: Envelope | None = None
+    with contextlib.suppress(DecodeError, codec.CodecError, ValueError):
+        env = message_parts(body)  # the envelope of any version this build reads
     return {
         "reason": reason,
         "detail": _text(headers.get("x-fedfleet-detail")),
-        "kind": env.get("kind") if isinstance(env.get("kind"), str) else None,
-        "round": env.get("round") if isinstance(env.get("round"), int) else None,
+        "kind": env.kind.value if env else None,
+        "round": env.round if env else None,
         "sender": _text(headers.get("x-fedfleet-user")) if by_service else user_id,
-        "claimed_sender": env.get("sender") if isinstance(env.get("sender"), str) else None,
+        "claimed_sender": (env.sender or None) if env else None,
         "routing_key": _text(headers.get("x-original-key")),
         "dead_lettered_by": user_id if by_service else "broker",
         "size": len(body),
