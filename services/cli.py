@@ -172,7 +172,7 @@ def cmd_server(args: argparse.Namespace) -> int:
 
 
 def cmd_aggregator(args: argparse.Namespace) -> int:
-    from services.aggregator.service import Aggregator
+    from services.aggregator.service import Aggregator, registered_samples
     from services.common import setup_logging
     from shared import metrics
 
@@ -180,17 +180,19 @@ def cmd_aggregator(args: argparse.Namespace) -> int:
     setup_logging(settings.log_level)
     cfg = _load(args.config)
     exp_id = _experiment_id(args, cfg, settings)
-    strategy = _experiment(cfg, args.config).strategy
+    exp = _experiment(cfg, args.config)
     metrics.serve(_metrics_port(args, settings, "aggregator"))
     transport = _transport(settings.rabbitmq_url, exp_id)
     agg = Aggregator(
         transport,
-        strategy,
+        exp.strategy,
         experiment_id=exp_id,
         algorithm=cfg.algorithm.name,
         aggregator_id=args.id or socket.gethostname(),
         prefetch=cfg.processes.prefetch,
         max_bytes=cfg.processes.max_message_bytes,
+        bounds=cfg.bounds,
+        sample_limits=registered_samples(exp),
     )
     _install_signal_handlers(agg)
     agg.run()
@@ -393,6 +395,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     try:
         options = algorithms.parse_options(cfg.algorithm.name, cfg.algorithm.options)
         algorithms.check_train(cfg.algorithm.name, cfg.train)
+        algorithms.check_robust(cfg.algorithm.name, cfg.robust)
     except ValueError as err:
         console.print(f"[red]{args.config}[/red]: {err}")
         return 2

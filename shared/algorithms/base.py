@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict
 
 from shared import codec
 from shared.algorithms.training import samples_per_task
-from shared.config import TrainConfig
+from shared.config import RobustConfig, TrainConfig
 from shared.devices import Optimizer, TrainingFootprint, training_flops, training_footprint
 from shared.models.state import load_arrays as load_arrays  # re-exported: strategies import it from here
 from shared.models.state import model_arrays as model_arrays
@@ -161,6 +161,8 @@ class StrategyContext:
     options: BaseModel
     #: optimizer whose state the memory accountant counts ("sgd", "sgd_momentum", "adam")
     optimizer: Optimizer = "sgd"
+    #: robust aggregation (``shared.algorithms.robust``); None or inactive: the algorithm's own mean
+    robust: RobustConfig | None = None
 
 
 class Strategy(ABC):
@@ -175,6 +177,10 @@ class Strategy(ABC):
     #: says. Algorithms with their own loop or their own notion of local work keep False, and a config
     #: with ``local_steps`` for them is refused (``algorithms.check_train``) rather than ignored.
     supports_local_steps: ClassVar[bool] = False
+    #: True when ``reduce`` folds one update into ``{name: n·x}`` plus the scalar ``weight`` n and
+    #: ``finalize`` divides the sums by it: a sample-weighted mean of whole updates, which robust
+    #: aggregation (``shared.algorithms.robust``) can replace with a median, a trimmed mean or Krum.
+    weighted_mean: ClassVar[bool] = False
 
     def __init__(self, ctx: StrategyContext) -> None:
         self.ctx = ctx

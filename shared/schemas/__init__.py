@@ -258,6 +258,9 @@ class Receipt(_Body):
     num_samples: int = Field(ge=0)
     metrics: Metrics = Field(default_factory=dict)
     timings: Timings = Field(default_factory=Timings)
+    #: non-empty: the update was out of bounds and dead-lettered with this reason, so the server
+    #: counts the device as answered (refused) instead of waiting for it until the deadline
+    refused: str = Field("", max_length=64)
 
 
 class Reject(_Body):
