@@ -506,6 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from services.server.checkpoint import CheckpointError
     from shared.metrics import MetricsPortInUse
 
     args = build_parser().parse_args(argv)
@@ -513,6 +514,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.fn(args))
     except MetricsPortInUse as err:  # a deployment mistake, not a bug: one line, no traceback
         console.print(f"[red]{err}[/red]")
+        return 2
+    except CheckpointError as err:  # a run directory whose checkpoints are all unusable
+        console.print(f"[red]cannot resume:[/red] {err}")
         return 2
 
 

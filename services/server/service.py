@@ -831,7 +831,10 @@ class Server(ServiceBase):
 
     def _save_checkpoint(self) -> None:
         ckpt = checkpoint.Checkpoint(self.round, self.state, self.ledger.to_checkpoint())
-        checkpoint.save(self.run_dir, ckpt)
+        try:
+            checkpoint.save(self.run_dir, ckpt)
+        except checkpoint.CheckpointError as err:  # the previous checkpoint stays the one to resume
+            self.log.error("%s", err, extra={"event": "checkpoint_refused"})
 
     def _resume(self) -> bool:
         ckpt = checkpoint.load(self.run_dir)
