@@ -47,6 +47,7 @@ DEFENCES: dict[str, dict[str, Any]] = {
     "none (mean)": {},
     "median": {"robust": {"aggregation": "median"}},
     "trimmed mean (β = 0.1)": {"robust": {"aggregation": "trimmed_mean", "trim_fraction": 0.1}},
+    "trimmed mean (β = 0.2)": {"robust": {"aggregation": "trimmed_mean", "trim_fraction": 0.2}},
     "multi-Krum (f = 2)": {"robust": {"aggregation": "multi_krum", "byzantine": 2}},
     "clip_norm 1.0": {"robust": {"clip_norm": 1.0}},
 }
@@ -122,7 +123,7 @@ def table(results: dict[str, dict[str, float]]) -> str:
         "Final central test accuracy (FedAvg on digits, `experiments/quickstart.yaml`, 20 rounds); the "
         f"clean run without any defence reaches {clean:.4f}. Δ = accuracy − that clean run, in points.",
         "",
-        "| defence | clean | Δ | " + " | ".join(f"{a} ×{ATTACKS[a]:g} | Δ" for a in ATTACKS) + " |",
+        "| defence | clean | Δ | " + " | ".join(f"{a} ({ATTACKS[a]:+g}·(w − g)) | Δ" for a in ATTACKS) + " |",
         "|---|---:|---:|" + "---:|---:|" * len(ATTACKS),
     ]
     for defence in DEFENCES:

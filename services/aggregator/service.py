@@ -176,9 +176,14 @@ class Aggregator(ServiceBase):
             return
         if not self._admissible(env, msg, d):
             return
-        update = UpdateSpec(
-            decode_tensors(msg.tensors), msg.num_samples, dict(msg.metrics), msg.device_id, env.round
-        )
+        try:
+            tensors = decode_tensors(msg.tensors)
+        except codec.CodecError as err:
+            if err.reason != "nonfinite":
+                raise
+            self._out_of_bounds(d, msg.device_id, env.round, "nonfinite", f"device {msg.device_id}: {err}")
+            return
+        update = UpdateSpec(tensors, msg.num_samples, dict(msg.metrics), msg.device_id, env.round)
         self.strategy.validate_update(update)
         if (bounded := self._bounded(update, d)) is None:
             return
@@ -230,16 +235,16 @@ class Aggregator(ServiceBase):
         device = update.device_id
         if bad := [k for k, t in update.tensors.items() if not np.isfinite(_values(t)).all()]:
             detail = f"device {device}: non-finite values in {bad[:3]}"
-            self._out_of_bounds(d, update, "non-finite", detail)
+            self._out_of_bounds(d, device, update.round, "nonfinite", detail)
             return None
         if bad := [k for k, v in update.metrics.items() if not math.isfinite(v)]:
             detail = f"device {device}: non-finite metrics {bad[:3]}"
-            self._out_of_bounds(d, update, "non-finite", detail)
+            self._out_of_bounds(d, device, update.round, "nonfinite", detail)
             return None
         limit = None if self.sample_limits is None or device is None else self.sample_limits.get(device)
         if limit is not None and update.num_samples > limit:
             detail = f"device {device} claims {update.num_samples} samples, registered {limit}"
-            self._out_of_bounds(d, update, "num-samples", detail)
+            self._out_of_bounds(d, device, update.round, "num-samples", detail)
             return None
         bound = self.bounds.max_update_norm
         if bound is None:
@@ -251,7 +256,7 @@ class Aggregator(ServiceBase):
         if self.bounds.on_norm_exceeded == "reject" or not dense:
             how = "" if dense or self.bounds.on_norm_exceeded == "reject" else " (only dense updates clip)"
             detail = f"device {device}: update norm {norm:.4g} above {bound:.4g}{how}"
-            self._out_of_bounds(d, update, "update-norm", detail)
+            self._out_of_bounds(d, device, update.round, "update-norm", detail)
             return None
         scale = bound / norm
         metrics.UPDATE_BOUNDS.labels(self.experiment, self.algorithm, "clipped").inc()
@@ -268,22 +273,24 @@ class Aggregator(ServiceBase):
         }
         return update
 
-    def _out_of_bounds(self, d: Delivery, update: UpdateSpec, reason: str, detail: str) -> None:
+    def _out_of_bounds(
+        self, d: Delivery, device: int | None, round: int | None, reason: str, detail: str
+    ) -> None:
         """Dead-letter an out-of-bounds update and tell the server the device's answer is in (a
         refusal), so the round does not wait for it until the deadline."""
         metrics.UPDATE_BOUNDS.labels(self.experiment, self.algorithm, reason).inc()
         size = len(d.body)
         self.reject(d, reason, detail)
-        assert update.device_id is not None and update.round is not None
+        assert device is not None and round is not None
         refusal = Receipt(
-            device_id=update.device_id,
+            device_id=device,
             aggregator_id=self.aggregator_id,
             update_bytes=size,
             dense_bytes=0,
             num_samples=0,
             refused=reason,
         )
-        self.send(KEY_SERVER, Kind.RECEIPT, refusal, round=update.round, inc=self.inc)
+        self.send(KEY_SERVER, Kind.RECEIPT, refusal, round=round, inc=self.inc)
 
     def _reduce_into(self, batch: _Batch, update: UpdateSpec, d: Delivery) -> None:
         assert update.device_id is not None

@@ -192,7 +192,7 @@ HANDLER_ERRORS = Counter(
 # -- bounded updates and robust aggregation ----------------------------------------------------------
 UPDATE_BOUNDS = Counter(
     "fedfleet_update_bounds_total",
-    "Updates an aggregator found out of bounds, by what it did: non-finite, num-samples, "
+    "Updates an aggregator found out of bounds, by what it did: nonfinite, num-samples, "
     "update-norm (rejected) or clipped (scaled down to bounds.max_update_norm and merged).",
     ("experiment", "algorithm", "outcome"),
 )
