@@ -255,7 +255,9 @@ class ExperimentConfig(_Strict):
     #: device fleet (profiles, budgets; see docs/fleets.md); None = the ``uniform`` preset
     fleet: dict[str, Any] | None = None
     emulation: EmulationConfig = Field(default_factory=EmulationConfig)
+    #: limits every update must meet before an aggregator merges it (docs/security.md)
     bounds: BoundsConfig = Field(default_factory=BoundsConfig)
+    #: robust aggregation for weighted-mean algorithms (docs/security.md)
     robust: RobustConfig = Field(default_factory=RobustConfig)
 
     @model_validator(mode="after")
