@@ -212,8 +212,9 @@ class RobustConfig(_Strict):
     aggregation: Literal["mean", "median", "trimmed_mean", "krum", "multi_krum"] = "mean"
     #: clip each update's change from the round's global model to this L2 norm first; None: no clipping
     clip_norm: float | None = Field(None, gt=0)
-    #: fraction of the updates trimmed at each end of every coordinate (``trimmed_mean``)
-    trim_fraction: float = Field(0.1, ge=0, lt=0.5)
+    #: fraction of the updates trimmed at each end of every coordinate (``trimmed_mean``); it must
+    #: cover the poisoned updates a round may hold, not only their share of the fleet
+    trim_fraction: float = Field(0.2, ge=0, lt=0.5)
     #: updates Krum assumes may be Byzantine (its ``f``)
     byzantine: int = Field(1, ge=0)
     #: updates multi-Krum averages (its ``m``); None: all but ``byzantine``
