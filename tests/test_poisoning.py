@@ -242,6 +242,9 @@ def test_over_rabbitmq_with_per_role_users_bounds_and_median_hold(tmp_path: Path
         finally:
             cluster.close()
         _check_refused(run, experiment)
+        # the median ran at the server over the five updates left in each of the three rounds
+        used = {"experiment": experiment, "algorithm": "fedavg", "outcome": "used"}
+        assert _counter("fedfleet_robust_updates_total", **used) == 15
         reasons = _dead_letters(url(identity.server_user()), cluster.server.transport.names.dead_letter_queue)
         assert sorted(reasons) == sorted(["nonfinite", "update-norm", "num-samples"] * 3), reasons
         # the same attacks in one process (placement never changes results; the median is exact)

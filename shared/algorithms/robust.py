@@ -55,8 +55,6 @@ def check(strategy: type[Strategy], cfg: RobustConfig) -> None:
             "or thresholds, so the updates have no common coordinates to take a median or distance "
             "over). Robust aggregation applies to: fedavg"
         )
-    if cfg.aggregation == "multi_krum" and cfg.multi_krum_keep is not None and cfg.multi_krum_keep < 1:
-        raise ValueError("robust.multi_krum_keep must be at least 1")
 
 
 @cache
