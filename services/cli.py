@@ -21,6 +21,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pydantic import ValidationError
 from rich.console import Console
 
 from services import orchestrator
@@ -32,6 +33,7 @@ from shared.config import (
     Settings,
     claim_run_dir,
     dump_config,
+    explain,
     load_config,
 )
 from shared.results import read_summary, write_summary
@@ -68,7 +70,11 @@ def _settings() -> Settings:
     """The process's settings; they also name its deployment's broker users (``user_prefix``)."""
     from shared import identity
 
-    settings = Settings()
+    try:
+        settings = Settings()
+    except ValidationError as err:  # e.g. FEDFLEET_LINGER_S=inf: one clear message, no traceback
+        console.print(f"[red]settings error[/red]\n{explain(err, 'environment', Settings)}")
+        raise SystemExit(2) from None
     identity.configure(settings.user_prefix)
     return settings
 

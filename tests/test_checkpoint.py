@@ -239,3 +239,15 @@ def test_inf_and_nan_are_refused_everywhere_in_a_config(tmp_path: Path, override
     if section in models:
         with pytest.raises(ValidationError, match="finite number"):
             models[section].model_validate({field: float("inf")})
+
+
+def test_inf_in_the_environment_settings_is_one_clear_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from services.cli import _settings
+
+    monkeypatch.setenv("FEDFLEET_LINGER_S", "inf")
+    with pytest.raises(SystemExit) as exit_:
+        _settings()
+    assert exit_.value.code == 2
+    assert "environment: 'linger_s': Input should be a finite number" in capsys.readouterr().err

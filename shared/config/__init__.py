@@ -422,7 +422,7 @@ def dump_config(cfg: ExperimentConfig) -> str:
 class Settings(BaseSettings):
     """Process settings from the environment (deployment concerns, not experiment design)."""
 
-    model_config = SettingsConfigDict(env_prefix="FEDFLEET_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="FEDFLEET_", extra="ignore", allow_inf_nan=False)
 
     rabbitmq_url: str = Field(
         default="amqp://guest:guest@127.0.0.1:5672/%2F",
