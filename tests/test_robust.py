@@ -46,6 +46,24 @@ def test_median_and_trimmed_mean_ignore_the_extremes_of_each_coordinate() -> Non
     np.testing.assert_allclose(est, np.mean(rows, axis=0))
 
 
+def test_sub_model_updates_are_summarised_over_the_devices_that_hold_each_coordinate() -> None:
+    nan = np.nan
+    rows = [[1.0, 5.0, nan], [2.0, nan, nan], [3.0, 7.0, nan], [100.0, 9.0, nan]]
+    counts = [[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [2.0, 2.0, 0.0], [1.0, 1.0, 0.0]]
+    updates = _updates(rows)
+    for u, c in zip(updates, counts, strict=True):
+        u.counts = {"a": np.array(c)}
+    est, _ = robust.aggregate(updates, RobustConfig(aggregation="median"))
+    np.testing.assert_array_equal(est["a"], [2.5, 7.0, nan])  # nobody holds the last coordinate
+    est, _ = robust.aggregate(updates, RobustConfig(aggregation="trimmed_mean", trim_fraction=0.25))
+    np.testing.assert_array_equal(est["a"], [2.5, 7.0, nan])  # 4 holders: cut 1; 3 holders: cut 0
+    est, _ = robust.aggregate(updates, RobustConfig(aggregation="mean"))
+    np.testing.assert_allclose(est["a"], [(1 + 2 + 6 + 100) / 5, (5 + 14 + 9) / 4, nan])
+    reference = {"a": np.zeros(3)}
+    assert robust.clip(updates, reference, bound=10.0) == 1  # only (100, 9): norm over what it holds
+    np.testing.assert_allclose(updates[3].values["a"][:2], np.array([100.0, 9.0]) * 10 / np.hypot(100, 9))
+
+
 def test_mean_is_sample_weighted() -> None:
     est, _ = _estimate([[0.0], [10.0]], [1.0, 3.0], aggregation="mean")
     np.testing.assert_allclose(est, [7.5])
@@ -163,13 +181,54 @@ def test_robust_partials_hold_each_update_under_its_device(tmp_path: Path) -> No
 
 
 def test_algorithms_that_cannot_use_robust_aggregation_are_refused_with_the_reason(tmp_path: Path) -> None:
-    usable = sorted(n for n, cls in algorithms.REGISTRY.items() if cls.weighted_mean)
-    assert usable == ["fedavg"]
+    usable = sorted(n for n, cls in algorithms.REGISTRY.items() if cls.mean_form is not None)
+    assert usable == ["fedavg", "feddropout", "feddse", "fedrolex", "fjord", "heterofl"]
     for name in sorted(set(algorithms.REGISTRY) - set(usable)):
-        with pytest.raises(ValueError, match="not a sample-weighted mean of whole updates"):
+        with pytest.raises(ValueError, match="not a weighted mean of updates over common coordinates"):
             algorithms.check_robust(name, RobustConfig(aggregation="median"))
         algorithms.check_robust(name, RobustConfig())  # the default (the algorithm's own mean) is fine
-    bad = write_config(tmp_path / "bad.yaml", algorithm={"name": "heterofl"}, robust={"aggregation": "krum"})
+    with pytest.raises(ValueError, match="sub-models that cover different coordinates"):
+        algorithms.check_robust("heterofl", RobustConfig(aggregation="krum"))
+    bad = write_config(tmp_path / "bad.yaml", algorithm={"name": "spafl"}, robust={"aggregation": "median"})
+    assert main(["validate", str(bad), "--syntax-only"]) == 2
+    bad = write_config(tmp_path / "krum.yaml", algorithm={"name": "heterofl"}, robust={"aggregation": "krum"})
     assert main(["validate", str(bad), "--syntax-only"]) == 2
     good = write_config(tmp_path / "good.yaml", robust={"aggregation": "trimmed_mean"})
     assert main(["validate", str(good), "--syntax-only"]) == 0
+
+
+def _run(tmp_path: Path, name: str, aggregators: int, **overrides: Any) -> dict[str, np.ndarray]:
+    from services.orchestrator import InprocCluster
+
+    cfg = write_config(
+        tmp_path / f"{name}.yaml",
+        rounds=2,
+        num_devices=8,
+        devices_per_round=6,
+        dataset={"partition": "classes", "classes_per_device": 2},
+        algorithm={"name": "heterofl", "options": {"capacity": "paper", "weighting": "uniform"}},
+        **overrides,
+    )
+    run = tmp_path / name
+    run.mkdir()
+    cluster = InprocCluster(Experiment.build(load_config(cfg)), run, name, aggregators=aggregators)
+    assert cluster.run(max_steps=500_000) == 0
+    cluster.close()
+    return dict(cluster.server.state.arrays)
+
+
+def test_a_width_slice_algorithm_takes_the_median_over_holders_however_aggregators_split(
+    tmp_path: Path,
+) -> None:
+    """HeteroFL (sub-models of different widths): the robust median runs, gives the same model with
+    one aggregator or three, and the robust mean (an unreachable clip bound) is HeteroFL's own."""
+    one = _run(tmp_path, "one", 1, robust={"aggregation": "median"})
+    three = _run(tmp_path, "three", 3, robust={"aggregation": "median"})
+    for k in one:
+        np.testing.assert_array_equal(one[k], three[k])
+    assert all(np.isfinite(v).all() for v in one.values() if v.dtype.kind == "f")
+    own = _run(tmp_path, "own", 2)
+    mean = _run(tmp_path, "mean", 2, robust={"clip_norm": 1e9})
+    for k in own:
+        np.testing.assert_allclose(mean[k], own[k], rtol=0, atol=1e-5)
+    assert any(not np.array_equal(one[k], own[k]) for k in own)  # the median is not the mean

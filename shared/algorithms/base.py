@@ -23,7 +23,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 import numpy as np
 import torch
@@ -177,10 +177,13 @@ class Strategy(ABC):
     #: says. Algorithms with their own loop or their own notion of local work keep False, and a config
     #: with ``local_steps`` for them is refused (``algorithms.check_train``) rather than ignored.
     supports_local_steps: ClassVar[bool] = False
-    #: True when ``reduce`` folds one update into ``{name: n·x}`` plus the scalar ``weight`` n and
-    #: ``finalize`` divides the sums by it: a sample-weighted mean of whole updates, which robust
-    #: aggregation (``shared.algorithms.robust``) can replace with a median, a trimmed mean or Krum.
-    weighted_mean: ClassVar[bool] = False
+    #: How robust aggregation (``shared.algorithms.robust``) can read this algorithm's partials:
+    #: ``whole`` — ``reduce`` folds one update into ``{name: n·x}`` plus the scalar ``weight`` n and
+    #: ``finalize`` divides (FedAvg); ``coordinate`` — per-coordinate ``sum/<name>`` = p·x and
+    #: ``count/<name>`` = p over the coordinates a device's sub-model holds, other keys summed (the
+    #: width-slice family); None — anything else (masks, thresholds, personal layers), which a
+    #: median, a trimmed mean or Krum cannot replace.
+    mean_form: ClassVar[Literal["whole", "coordinate"] | None] = None
 
     def __init__(self, ctx: StrategyContext) -> None:
         self.ctx = ctx
