@@ -204,7 +204,8 @@ class BoundsConfig(_Strict):
 
 class RobustConfig(_Strict):
     """Robust aggregation (``shared/algorithms/robust.py``), for algorithms whose aggregation is a
-    sample-weighted mean of whole updates; ``fedfleet validate`` refuses it for the others."""
+    weighted mean (FedAvg; per coordinate, the width-slice family); ``fedfleet validate`` refuses it
+    for the others."""
 
     #: ``mean``: the algorithm's own weighted mean; ``median``: coordinate-wise median;
     #: ``trimmed_mean``: coordinate-wise mean without the ``trim_fraction`` largest and smallest;
