@@ -22,7 +22,8 @@ Which algorithms can use it (``Strategy.mean_form``): those whose aggregation is
 ``whole``: one update folds into ``{name: n·x}`` plus a scalar ``weight`` n and ``finalize`` divides
 (FedAvg). ``coordinate``: per-coordinate sums and counts over the coordinates each device's
 sub-model holds (the width-slice family: HeteroFL, FedRolex, FjORD, Federated Dropout, FedDSE); an
-update is then NaN where its sub-model does not reach, each coordinate's statistic is over the
+update then travels with its per-coordinate weights (0 where its sub-model does not reach, so nothing
+non-finite is sent), the server reads it as NaN there, each coordinate's statistic is over the
 devices that hold it, and Krum — whose distances need common coordinates — is refused. The robust
 step turns the updates into one estimate and hands the algorithm a partial of its own shape.
 Algorithms that merge masks, thresholds, scores or personal layers are refused by ``check``
@@ -31,7 +32,6 @@ Algorithms that merge masks, thresholds, scores or personal layers are refused b
 
 from __future__ import annotations
 
-import logging
 import math
 import warnings
 from collections import Counter
@@ -43,8 +43,6 @@ import numpy as np
 
 from shared.algorithms.base import Partial, ServerState, Strategy, UpdateSpec
 from shared.config import RobustConfig
-
-log = logging.getLogger("fedfleet.robust")
 
 #: key prefix of an update filed whole inside a partial: ``robust/<device>/<tensor name>``
 PREFIX = "robust/"
