@@ -29,6 +29,7 @@ import numpy as np
 from services.common import MessageHandler, ServiceBase, decode_tensors, encode_tensors
 from shared import codec, metrics
 from shared.algorithms.base import Partial, Strategy, UpdateSpec
+from shared.codec import tensorset
 from shared.config import BoundsConfig
 from shared.schemas import Decision, Envelope, Kind, Receipt, RoundOpen, Update, task_key, verify
 from shared.schemas import Partial as PartialMsg
@@ -87,6 +88,7 @@ class Aggregator(ServiceBase):
         self.selected: set[int] = set()
         self.round_key = ""  # the open round's key, from which each device's task key derives
         self.holders: dict[int, str] = {}  # the host serving each selected device (RoundOpen)
+        self.round_layouts: dict[bytes, tensorset.Layout] = {}  # the open round's payload layouts
         self.batch = _Batch()
         self.pending: dict[int, _Batch] = {}
         self.seen: set[int] = set()  # devices reduced in the current round by this aggregator
@@ -130,7 +132,20 @@ class Aggregator(ServiceBase):
         self.inc, self.round, self.selected = env.inc, env.round, set(msg.selected)
         self.round_key = msg.round_key
         self.holders = msg.holder()
+        self.round_layouts = {tensorset.digest(layout): layout for layout in msg.layouts}
         d.ack()
+
+    def unknown_layout(self, env: Envelope, delivery: Delivery, detail: str) -> None:
+        """An update naming a layout of a round whose announcement has not reached us yet (a
+        restarted aggregator, say) waits for it, as an update of an unannounced round does; in the
+        open round, an unknown layout is a bad message."""
+        if env.kind is Kind.UPDATE and (
+            self.round < 0 or (env.inc == self.inc and env.round == self.round + 1)
+        ):
+            time.sleep(REQUEUE_PAUSE_S)
+            delivery.nack(requeue=True)
+            return
+        self.reject(delivery, "unknown-layout", detail)
 
     def on_flush(self, env: Envelope, msg: Any, d: Delivery) -> None:
         if env.inc == self.inc and env.round == self.round:
@@ -309,11 +324,12 @@ class Aggregator(ServiceBase):
             Receipt(
                 device_id=msg.device_id,
                 aggregator_id=self.aggregator_id,
-                update_bytes=len(d.body),
+                update_bytes=len(d.body) - env.telemetry_bytes,  # the device's own bytes
                 dense_bytes=sum(codec.dense_bytes(t) for t in update.tensors.values()),
                 num_samples=msg.num_samples,
                 metrics=msg.metrics,
                 timings=msg.timings,
+                telemetry_bytes=env.telemetry_bytes,
             ),
             round=env.round,
             inc=env.inc,
@@ -343,6 +359,7 @@ class Aggregator(ServiceBase):
             round=self.round,
             inc=self.inc,
             dense_bytes=dense,
+            known=self.round_layouts,
         )
 
 

@@ -118,6 +118,9 @@ class RunLedger:
         self.totals["dense_bytes_up"] += dense_up
         self.totals["dense_bytes_down"] += rs.dense_down
         self.totals["broker_bytes"] = self.totals.get("broker_bytes", 0) + result.broker_bytes
+        telemetry = sum(r.telemetry_bytes for r in rs.receipts.values())
+        self.totals["telemetry_bytes_up"] = self.totals.get("telemetry_bytes_up", 0) + telemetry
+        metrics.TELEMETRY_BYTES.labels(*self.labels).inc(telemetry)
         now = time.time()
         ev, pm = result.evaluation, result.reported
         row: dict[str, Any] = {

@@ -46,6 +46,13 @@ DEVICE_BYTES = Counter(
     "fedfleet_wire_bytes_total. direction: down, up, eval_down (evaluation tasks after the run).",
     ("experiment", "algorithm", "direction", "tier"),
 )
+TELEMETRY_BYTES = Counter(
+    "fedfleet_telemetry_bytes_total",
+    "Bytes of the metrics and timings that rode with the devices' updates over the broker. They are "
+    "the emulator's reporting, not what a real device would upload, so they are not in "
+    'fedfleet_device_bytes_total; fedfleet_wire_bytes_total{kind="update"} is the two together.',
+    ("experiment", "algorithm"),
+)
 DENSE_BYTES = Counter(
     "fedfleet_dense_bytes_total",
     "Dense-equivalent bytes of the tensors in published messages (float32 dense, no compression).",
