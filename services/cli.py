@@ -22,6 +22,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pydantic import ValidationError
 from rich.console import Console
 
 from services import orchestrator
@@ -33,6 +34,7 @@ from shared.config import (
     Settings,
     claim_run_dir,
     dump_config,
+    explain,
     load_config,
 )
 from shared.results import read_summary, write_summary
@@ -69,7 +71,11 @@ def _settings() -> Settings:
     """The process's settings; they also name its deployment's broker users (``user_prefix``)."""
     from shared import identity
 
-    settings = Settings()
+    try:
+        settings = Settings()
+    except ValidationError as err:  # e.g. FEDFLEET_LINGER_S=inf: one clear message, no traceback
+        console.print(f"[red]settings error[/red]\n{explain(err, 'environment', Settings)}")
+        raise SystemExit(2) from None
     identity.configure(settings.user_prefix)
     return settings
 
@@ -173,7 +179,7 @@ def cmd_server(args: argparse.Namespace) -> int:
 
 
 def cmd_aggregator(args: argparse.Namespace) -> int:
-    from services.aggregator.service import Aggregator
+    from services.aggregator.service import Aggregator, registered_samples
     from services.common import setup_logging
     from shared import metrics
 
@@ -181,17 +187,19 @@ def cmd_aggregator(args: argparse.Namespace) -> int:
     setup_logging(settings.log_level)
     cfg = _load(args.config)
     exp_id = _experiment_id(args, cfg, settings)
-    strategy = _experiment(cfg, args.config).strategy
+    exp = _experiment(cfg, args.config)
     metrics.serve(_metrics_port(args, settings, "aggregator"))
     transport = _transport(settings.rabbitmq_url, exp_id)
     agg = Aggregator(
         transport,
-        strategy,
+        exp.strategy,
         experiment_id=exp_id,
         algorithm=cfg.algorithm.name,
         aggregator_id=args.id or socket.gethostname(),
         prefetch=cfg.processes.prefetch,
         max_bytes=cfg.processes.max_message_bytes,
+        bounds=cfg.bounds,
+        sample_limits=registered_samples(exp),
     )
     _install_signal_handlers(agg)
     agg.run()
@@ -508,6 +516,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     try:
         options = algorithms.parse_options(cfg.algorithm.name, cfg.algorithm.options)
         algorithms.check_train(cfg.algorithm.name, cfg.train)
+        algorithms.check_robust(cfg.algorithm.name, cfg.robust)
     except ValueError as err:
         console.print(f"[red]{args.config}[/red]: {err}")
         return 2
@@ -642,6 +651,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from services.server.checkpoint import CheckpointError
     from shared.metrics import MetricsPortInUse
 
     args = build_parser().parse_args(argv)
@@ -649,6 +659,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.fn(args))
     except MetricsPortInUse as err:  # a deployment mistake, not a bug: one line, no traceback
         console.print(f"[red]{err}[/red]")
+        return 2
+    except CheckpointError as err:  # a run directory whose checkpoints are all unusable
+        console.print(f"[red]cannot resume:[/red] {err}")
         return 2
 
 

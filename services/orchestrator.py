@@ -147,7 +147,7 @@ class InprocCluster:
         return [s for s in self.services if isinstance(s, Client)]
 
     def add_aggregator(self, name: str) -> Aggregator:
-        from services.aggregator.service import Aggregator
+        from services.aggregator.service import Aggregator, registered_samples
 
         agg = Aggregator(
             self._transport(aggregator_user()),
@@ -157,6 +157,8 @@ class InprocCluster:
             aggregator_id=name,
             prefetch=self.cfg.processes.prefetch,
             max_bytes=self.cfg.processes.max_message_bytes,
+            bounds=self.cfg.bounds,
+            sample_limits=registered_samples(self.exp),
         )
         self.services.append(agg)
         return agg

@@ -290,8 +290,25 @@ class Server(ServiceBase):
 
     def on_receipt(self, env: Envelope, msg: Receipt, d: Delivery) -> None:
         if (rs := self._open(env)) is not None:
-            rs.receipt(msg)
+            if msg.refused:
+                self._update_refused(rs, msg)
+            else:
+                rs.receipt(msg)
         d.ack()
+
+    def _update_refused(self, rs: RoundState, msg: Receipt) -> None:
+        """An aggregator dead-lettered the device's update as out of bounds: the device has answered,
+        with nothing to merge — counted as a refusal with the aggregator's reason."""
+        dev = msg.device_id
+        if not rs.is_selected(dev) or dev in rs.receipts or dev in rs.rejects:
+            return
+        rs.rejects[dev] = Reject(device_id=dev, reason=msg.refused, detail="update out of bounds")
+        self.log.warning(
+            "device %d's update was out of bounds (%s): not merged",
+            dev,
+            msg.refused,
+            extra={"event": "update_out_of_bounds", "device": dev, "reason": msg.refused},
+        )
 
     def on_reject(self, env: Envelope, msg: Reject, d: Delivery) -> None:
         rs = self._open(env)
@@ -668,6 +685,8 @@ class Server(ServiceBase):
         assert rs is not None
         merged = rs.merged if outcome == "completed" else None
         self.state = self.strategy.finalize(self.state, merged, rs.number)
+        for what, n in getattr(self.strategy, "robust_counts", {}).items():  # robust aggregation only
+            metrics.ROBUST_UPDATES.labels(self.experiment, self.algorithm, what).inc(n)
         participants = rs.participants() if merged is not None else []
         reported = self._participant_metrics(rs, participants)
         evaluation = self._round_evaluation(rs.number, reported)
@@ -837,7 +856,10 @@ class Server(ServiceBase):
 
     def _save_checkpoint(self) -> None:
         ckpt = checkpoint.Checkpoint(self.round, self.state, self.ledger.to_checkpoint())
-        checkpoint.save(self.run_dir, ckpt)
+        try:
+            checkpoint.save(self.run_dir, ckpt)
+        except checkpoint.CheckpointError as err:  # the previous checkpoint stays the one to resume
+            self.log.error("%s", err, extra={"event": "checkpoint_refused"})
 
     def _resume(self) -> bool:
         ckpt = checkpoint.load(self.run_dir)

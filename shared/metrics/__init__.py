@@ -196,6 +196,19 @@ HANDLER_ERRORS = Counter(
     "Unexpected exceptions in a message handler (the message is dead-lettered, the service lives on).",
     ("experiment", "service", "kind"),
 )
+# -- bounded updates and robust aggregation ----------------------------------------------------------
+UPDATE_BOUNDS = Counter(
+    "fedfleet_update_bounds_total",
+    "Updates an aggregator found out of bounds, by what it did: nonfinite, num-samples, "
+    "update-norm (rejected) or clipped (scaled down to bounds.max_update_norm and merged).",
+    ("experiment", "algorithm", "outcome"),
+)
+ROBUST_UPDATES = Counter(
+    "fedfleet_robust_updates_total",
+    "Updates the server's robust aggregation handled, by what it did with them: clipped "
+    "(robust.clip_norm), excluded (left out by Krum / multi-Krum) or used.",
+    ("experiment", "algorithm", "outcome"),
+)
 
 
 def all_metric_names(registry: CollectorRegistry = REGISTRY) -> set[str]:

@@ -267,6 +267,9 @@ class Receipt(_Body):
     timings: Timings = Field(default_factory=Timings)
     #: what the update's telemetry added on the broker (its metrics and timings)
     telemetry_bytes: int = Field(0, ge=0)
+    #: non-empty: the update was out of bounds and dead-lettered with this reason, so the server
+    #: counts the device as answered (refused) instead of waiting for it until the deadline
+    refused: str = Field("", max_length=64)
 
 
 class Reject(_Body):
