@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from services.orchestrator import InprocCluster
 from services.server import checkpoint
@@ -30,7 +30,10 @@ from tests.conftest import write_config
 
 
 def _ckpt(round: int, value: float = 1.0) -> Checkpoint:
-    arrays = {"w": np.full((3, 4), value * round, dtype=np.float32), "steps": np.array([round], np.int64)}
+    arrays: dict[str, np.ndarray] = {
+        "w": np.full((3, 4), value * round, dtype=np.float32),
+        "steps": np.array([round], np.int64),
+    }
     return Checkpoint(round, ServerState(arrays, {"round_seen": round}), {"rows": [round]})
 
 
@@ -142,8 +145,7 @@ def test_no_usable_checkpoint_is_one_clear_error(tmp_path: Path, previous: str) 
         __import__("shutil").rmtree(old)
     else:
         (old / "checksums.json").unlink()
-        arrays = {"w": np.full((3, 4), np.inf, np.float32)}
-        np.savez(old / "state.npz", **arrays)
+        np.savez(old / "state.npz", w=np.full((3, 4), np.inf, np.float32))
     with pytest.raises(CheckpointError) as err:
         checkpoint.load(tmp_path)
     text = str(err.value)
@@ -235,7 +237,11 @@ def test_inf_and_nan_are_refused_everywhere_in_a_config(tmp_path: Path, override
     assert f"'{key}': must be a finite number" in str(err.value)
     # the models refuse them too when built from Python rather than from a YAML file
     section, _, field = key.partition(".")
-    models = {"train": TrainConfig, "bounds": BoundsConfig, "robust": RobustConfig}
+    models: dict[str, type[BaseModel]] = {
+        "train": TrainConfig,
+        "bounds": BoundsConfig,
+        "robust": RobustConfig,
+    }
     if section in models:
         with pytest.raises(ValidationError, match="finite number"):
             models[section].model_validate({field: float("inf")})

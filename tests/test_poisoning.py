@@ -205,7 +205,7 @@ def _amqp(url: Callable[[str], str], experiment: str) -> Callable[[str], AmqpTra
 
 def _dead_letters(url: str, queue: str) -> list[str]:
     conn = pika.BlockingConnection(pika.URLParameters(url))
-    reasons = []
+    reasons: list[str] = []
     try:
         ch = conn.channel()
         while True:

@@ -15,6 +15,7 @@ from shared import algorithms, codec
 from shared.algorithms import robust
 from shared.algorithms.base import Partial, UpdateSpec
 from shared.algorithms.fedavg import FedAvg
+from shared.algorithms.robust import RobustMixin
 from shared.config import RobustConfig, load_config
 from shared.experiment import Experiment
 from tests.conftest import reduce_two_ways, write_config
@@ -101,7 +102,7 @@ def _fake_updates(strategy: Any, n: int, seed: int) -> list[UpdateSpec]:
     out = []
     for dev in range(n):
         scale = 100.0 if dev == 0 else 0.01  # device 0 is an outlier
-        tensors = {
+        tensors: dict[str, codec.Tensor] = {
             k: codec.Dense((v + scale * rng.standard_normal(v.shape)).astype(v.dtype))
             for k, v in state.items()
             if v.dtype.kind == "f"
@@ -138,6 +139,7 @@ def test_the_result_does_not_depend_on_how_updates_are_split_over_aggregators(
     mean = plain.finalize(state, _plain_partial(plain, updates[1:]), 1)
     worst = max(float(np.max(np.abs(a.arrays[k] - mean.arrays[k]))) for k in mean.arrays)
     assert worst < 0.2, worst
+    assert isinstance(strategy, RobustMixin)  # what Experiment builds when robust: is on
     counts = strategy.robust_counts
     assert counts["used"] + counts["excluded"] == 7
     if cfg.get("aggregation") == "krum":

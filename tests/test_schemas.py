@@ -180,7 +180,8 @@ def test_a_devices_mac_binds_device_round_and_every_byte(a: int, b: int, rnd: in
 # -- envelope v4: the lean wire form, its tensor sets, and the previous version ---------------------
 def _v3(kind: Kind, body: dict[str, object], exp: str = "e", mac: bytes = b"") -> bytes:
     """A message as a build of schema version 3 wrote it (a map, the experiment id in full)."""
-    env = {"v": 3, "kind": kind.value, "exp": exp, "inc": "0a", "round": 2, "sender": "s", "id": "x"}
+    env: dict[str, object] = {"v": 3, "kind": kind.value, "exp": exp, "inc": "0a", "round": 2, "sender": "s"}
+    env["id"] = "x"
     env["body"] = codec.packb(body)
     if mac:
         env["mac"] = mac

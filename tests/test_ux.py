@@ -344,7 +344,12 @@ def test_run_end_exports_dead_letters_keeps_them_and_removes_everything_else(
             t.dead_letter(d, "stale-round" if len(got) == 1 else "malformed", "from the test")
 
         t.consume(n.server_queue, handle, prefetch=10)
-        wait_for(lambda: t.process(0.1) or len(got) == 2, 20, "two deliveries")
+
+        def two_deliveries() -> bool:
+            t.process(0.1)
+            return len(got) == 2
+
+        wait_for(two_deliveries, 20, "two deliveries")
     finally:
         t.close()
     assert orphan in broker_objects(broker_url, experiment_id)
