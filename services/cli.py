@@ -556,6 +556,28 @@ def cmd_asyncapi(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tap(args: argparse.Namespace) -> int:
+    from services import tap
+
+    url = os.environ.get("RABBITMQ_URL", "")
+    if not url:
+        console.print(
+            "[red]fedfleet tap needs RABBITMQ_URL (a broker user with shared.provision.tap_permissions)[/red]"
+        )
+        return 2
+    return tap.run(
+        url.split(";")[0].strip(),
+        args.experiment,
+        kinds=args.kind or (),
+        devices=args.device or (),
+        as_json=args.json,
+        seconds=args.seconds,
+        count=args.count,
+        admin_url=args.admin_url or tap.admin_url_from_env(),
+        until_stop=args.until_stop,
+    )
+
+
 # -- argument parsing ------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fedfleet", description=__doc__.splitlines()[0] if __doc__ else None)
@@ -643,6 +665,24 @@ def build_parser() -> argparse.ArgumentParser:
     ref = sub.add_parser("reference", help="print every config key and algorithm option (Markdown)")
     ref.add_argument("--out", type=Path, help="write to this file instead (docs/configuration.md)")
     ref.set_defaults(fn=cmd_reference)
+
+    tp = sub.add_parser(
+        "tap", help="print an experiment's messages as they go by (RabbitMQ's tracer; takes nothing away)"
+    )
+    tp.add_argument("experiment", help="the experiment id (the run's id)")
+    tp.add_argument("--kind", action="append", help="only this message kind (repeatable)")
+    tp.add_argument(
+        "--device", type=int, action="append", help="only messages about this device (repeatable)"
+    )
+    tp.add_argument("--json", action="store_true", help="one JSON object per line")
+    tp.add_argument("--seconds", type=float, help="stop after this long")
+    tp.add_argument("--count", type=int, help="stop after printing this many lines")
+    tp.add_argument("--until-stop", action="store_true", help="stop when the server ends the run")
+    tp.add_argument(
+        "--admin-url",
+        help="management API URL to switch the vhost's tracer on (default: FEDFLEET_BROKER_ADMIN_URL)",
+    )
+    tp.set_defaults(fn=cmd_tap)
 
     aa = sub.add_parser("asyncapi", help="print the message plane as an AsyncAPI 3 document (YAML)")
     aa.add_argument("--out", type=Path, help="write to this file instead (docs/asyncapi.yaml)")
