@@ -304,9 +304,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     transport = _choose_transport(args.transport, settings)
     if transport is None:
         return 2
-    # Build the experiment once here so that a bad fleet, dataset or algorithm option is refused
-    # before any process starts, with the error that names the file, row and field.
-    if (why := _cannot_run(cfg)) is not None:
+    # Build the experiment once before any process starts, so that a bad fleet, dataset or algorithm
+    # option is refused with the error that names the file, row and field. For a run as processes
+    # the build happens in a child process: this parent only launches and watches the services, and
+    # should not hold torch, the model and the dataset for the whole run (issue 16: lean processes).
+    why = _cannot_run(cfg) if transport == "inproc" else _cannot_run_in_child(cfg)
+    if why is not None:
         console.print(f"[red]cannot run {args.config}[/red]\n{why}")
         return 2
     if (config_path := _claim(run_dir, cfg, args.force)) is None:
@@ -394,6 +397,31 @@ def _build(cfg: ExperimentConfig) -> Experiment | str:
     except (FleetError, DatasetUnavailable, ValueError) as err:
         return str(err)
     return exp
+
+
+def _cannot_run_in_child(cfg: ExperimentConfig) -> str | None:
+    """``_cannot_run`` in a child process (``fedfleet validate`` of ``cfg`` as resolved here)."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="fedfleet-check-") as tmp:
+        path = Path(tmp) / "config.yaml"
+        path.write_text(dump_config(cfg))
+        out = subprocess.run(
+            [sys.executable, "-m", "services.cli", "validate", str(path)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "COLUMNS": "200"},
+        )
+    if out.returncode == 0:
+        return None
+    text = (
+        (out.stdout + out.stderr)
+        .strip()
+        .replace(f"{path}: cannot run here: ", "")
+        .replace(str(path), "config")
+    )
+    return text or f"the check exited with {out.returncode}"
 
 
 def _cannot_run(cfg: ExperimentConfig) -> str | None:
@@ -691,7 +719,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from services.server.checkpoint import CheckpointError
+    from services.server.errors import CheckpointError
     from shared.metrics import MetricsPortInUse
 
     args = build_parser().parse_args(argv)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -231,3 +232,41 @@ def test_a_service_given_an_impossible_experiment_says_why_in_one_line(
         assert exit_.value.code == 2
         err = " ".join(capsys.readouterr().err.split())
         assert "num_devices (900) exceeds the number of samples (800)" in err and "Traceback" not in err
+
+
+def test_run_over_the_broker_checks_in_a_child_and_its_parent_stays_lean(tmp_path: Path) -> None:
+    """``fedfleet run`` as processes builds the experiment in a child process (so a bad dataset path
+    is still refused before anything starts, naming the path) and never imports torch itself: the
+    parent only launches and watches the services (issue 16, lean processes)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import write_config
+
+    missing = tmp_path / "no-such-cifar"
+    bad = write_config(tmp_path / "bad.yaml", dataset={"name": "cifar10", "path": str(missing)})
+    good = write_config(tmp_path / "good.yaml")
+    probe = (
+        "import sys\n"
+        "from services import cli, orchestrator\n"
+        "def launched(*a, **k):\n"
+        "    print('TORCH-IN-PARENT', 'torch' in sys.modules, flush=True)\n"
+        "    raise SystemExit(7)\n"
+        "orchestrator.run_processes = launched\n"
+        "cli._choose_transport = lambda *a: 'amqp'\n"
+        "raise SystemExit(cli.main(['run', sys.argv[1], '--runs-dir', sys.argv[2]]))\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+
+    def run(cfg: Path) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-c", probe, str(cfg), str(tmp_path / "runs")]
+        return subprocess.run(
+            cmd, cwd=root, capture_output=True, text=True, env={**os.environ, "COLUMNS": "300"}
+        )
+
+    refused = run(bad)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "CIFAR-10 path" in refused.stdout + refused.stderr and "TORCH-IN-PARENT" not in refused.stdout
+    launched = run(good)
+    assert launched.returncode == 7, launched.stdout + launched.stderr
+    assert "TORCH-IN-PARENT False" in launched.stdout

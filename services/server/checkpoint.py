@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from services.server.errors import CheckpointError
 from shared.algorithms.base import ServerState
 from shared.algorithms.device_state import atomic_savez
 
@@ -40,10 +41,6 @@ LATEST, PREVIOUS, PENDING = "checkpoint", "checkpoint.old", "checkpoint.tmp"
 #: a latest checkpoint found unusable is moved here (kept for a post-mortem, never loaded)
 REJECTED = "checkpoint.corrupt"
 ARRAYS, META, SUMS = "state.npz", "state.json", "checksums.json"
-
-
-class CheckpointError(RuntimeError):
-    """No usable checkpoint (or one that must not be written), said in words a user can act on."""
 
 
 @dataclass
