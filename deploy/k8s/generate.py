@@ -101,7 +101,8 @@ def load_sizing(path: Path) -> dict[str, Any]:
         raise SystemExit(f"{rel(path)}: missing keys {sorted(missing)}, unknown keys {sorted(unknown)}")
     for key, typ in SIZING_KEYS.items():
         if not isinstance(data[key], typ) or (
-            typ is int and data[key] < (0 if key in ("largest_device_budget_mib", "device_resident_kib") else 1)
+            typ is int
+            and data[key] < (0 if key in ("largest_device_budget_mib", "device_resident_kib") else 1)
         ):
             raise SystemExit(
                 f"{rel(path)}: '{key}' must be a {'positive ' if typ is int else ''}{typ.__name__}"
@@ -191,7 +192,13 @@ def definitions_template() -> str:
                 {"user": user, "vhost": "/", "configure": p.configure, "write": p.write, "read": p.read}
             )
             topic.append(
-                {"user": user, "vhost": "/", "exchange": exchange, "write": p.topic_write, "read": p.topic_read}
+                {
+                    "user": user,
+                    "vhost": "/",
+                    "exchange": exchange,
+                    "write": p.topic_write,
+                    "read": p.topic_read,
+                }
             )
     finally:
         identity.configure(identity.DEFAULT_PREFIX)
