@@ -900,9 +900,16 @@ FAKE_KUBECTL = textwrap.dedent(
         out = " ".join(a)
         if "conditions" in out:
             state = os.environ.get("FAKE_JOB", "Complete")
+            polls = os.environ["FAKE_LOG"] + ".polls"  # FAKE_RUNNING_POLLS: running for that many checks
+            n = int(open(polls).read()) if os.path.exists(polls) else 0
+            open(polls, "w").write(str(n + 1))
+            if n < int(os.environ.get("FAKE_RUNNING_POLLS", "0")):
+                state = "Running"
             print("" if state == "Running" else state + " ", end="")
         elif "envFrom" in out:
             print("fedfleet-env-abc")
+    elif a[:2] == ["logs", "job/server"]:
+        print('{{"msg": "round 3 completed: 4/4 participants, accuracy 0.5", "event": "round_done"}}')
     elif a[:3] == ["get", "configmap", "fedfleet-env-abc"]:
         print("k8s-dev", end="")
     elif a[:1] == ["cp"]:
@@ -965,6 +972,14 @@ def test_make_up_applies_overlay_creates_secrets_and_follows_the_run(fake_kubect
     assert ["-n", "fedfleet", "scale", "deployment/clients", "--replicas=0"] in log
     assert "run k8s-dev is done" in out and "make results RUN=k8s-dev" in out
     assert "make dashboard" in out and "http://localhost:3000/" in out
+
+
+def test_make_wait_shows_progress_until_the_run_is_done(fake_kubectl: dict[str, str]) -> None:
+    env = {**fake_kubectl, "FAKE_JOB_EXISTS": "1", "FAKE_RUNNING_POLLS": "3", "POLL_S": "0"}
+    out = ok(make("wait", env))
+    # one line per change, not per poll; then done
+    assert out.count("round 3 completed: 4/4 participants, accuracy 0.5") == 1
+    assert out.index("round 3 completed") < out.index("run k8s-dev is done")
 
 
 def test_make_up_reports_a_failed_run_and_refuses_while_one_runs(fake_kubectl: dict[str, str]) -> None:

@@ -84,8 +84,9 @@ wait_run() {
         echo "error: no server Job in namespace $NAMESPACE: run 'make up' first" >&2
         return 1 ;;
     esac
-    # progress: the newest round the server opened or closed, and the pods that are not running
-    line=$(k logs job/server --tail=50 2>/dev/null | grep -o '"event": *"round_done"[^}]*' | tail -n 1) || true
+    # progress: the newest round the server closed (its log line), and pods not running or restarted
+    line=$(k logs job/server --tail=50 2>/dev/null | grep '"event": "round_done"' | tail -n 1 \
+      | sed 's/.*"msg": "\([^"]*\)".*/\1/') || true
     pods=$(k get pods -l app.kubernetes.io/part-of=fedfleet --no-headers 2>/dev/null \
       | awk '$3 != "Running" && $3 != "Completed" {printf "%s=%s ", $1, $3}') || true
     restarts=$(k get pods -l app.kubernetes.io/part-of=fedfleet --no-headers 2>/dev/null | awk '$4 > 0 {printf "%s(%s) ", $1, $4}') || true
