@@ -74,6 +74,12 @@ wait_run() {
         echo "run ${exp:-?} is done."
         echo "scaling the client hosts to 0 (they idle after a run; 'make up' starts the next one)"
         k scale deployment/clients --replicas=0 >/dev/null
+        # the aggregators exit on the server's stop (after their last scrape); one that started after
+        # the stop was sent (a run resumed when already finished) would wait for ever
+        if ! k wait --for=condition=complete job/aggregator --timeout=120s >/dev/null 2>&1; then
+          echo "the aggregators did not stop within 120 s of the run's end: deleting their Job"
+          k delete job aggregator --ignore-not-found --wait=false >/dev/null
+        fi
         echo "copy the results out with: make results${exp:+ RUN=$exp}"
         return 0 ;;
       Failed)
