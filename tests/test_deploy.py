@@ -462,6 +462,14 @@ def test_definitions_are_what_provision_says(tmp_path: Path, experiment: str, pr
             "write": want.topic_write,
             "read": want.topic_read,
         }
+    n = names(experiment)
+    assert {(e["name"], e["type"], e["durable"]) for e in defs["exchanges"]} == {
+        (n.exchange, "topic", True),
+        (n.dead_letter_exchange, "fanout", True),
+    }
+    assert [(b["source"], b["destination"]) for b in defs["bindings"]] == [
+        (n.dead_letter_exchange, n.dead_letter_queue)
+    ]
 
 
 @pytest.mark.parametrize(

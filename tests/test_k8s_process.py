@@ -9,7 +9,9 @@ No cluster exists here, so this test is how we know the manifests describe a sys
   local RabbitMQ stands in for the ``rabbitmq`` StatefulSet, in a scratch vhost (the URLs' ``/%2F``
   becomes it) with the broker's own definitions applied through the management API — the role
   users (admin, server, aggregator, join) with the permissions and topic permissions the broker's init
-  container renders, so the least-privilege model is what the processes run under.
+  container renders, so the least-privilege model is what the processes run under, and the
+  experiment's exchanges and dead-letter queue (the server declares them again: any difference in
+  type or flags would fail it).
 * **Volumes**: each mount is a directory (a PersistentVolumeClaim one per claim, shared by the pods
   that mount it; emptyDir one per pod); paths under a mount are rewritten to it.
 * **Restart semantics**: init containers run first, in order. A container that exits under
@@ -354,6 +356,17 @@ def apply_definitions(api: Management, defs: dict[str, Any], vhost: str) -> None
     for t in defs["topic_permissions"]:
         body = {k: t[k] for k in ("exchange", "write", "read")}
         api.call("PUT", f"/api/topic-permissions/{q(vhost)}/{q(t['user'])}", body)
+    # the topology: the server's transport declares the same again, and fails (406) if it differs
+    for e in defs["exchanges"]:
+        body = {k: e[k] for k in ("type", "durable", "auto_delete", "internal", "arguments")}
+        api.call("PUT", f"/api/exchanges/{q(vhost)}/{q(e['name'])}", body)
+    for qu in defs["queues"]:
+        body = {k: qu[k] for k in ("durable", "auto_delete", "arguments")}
+        api.call("PUT", f"/api/queues/{q(vhost)}/{q(qu['name'])}", body)
+    for b in defs["bindings"]:
+        assert b["destination_type"] == "queue"
+        path = f"/api/bindings/{q(vhost)}/e/{q(b['source'])}/q/{q(b['destination'])}"
+        api.call("POST", path, {"routing_key": b["routing_key"], "arguments": b["arguments"]})
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -25,7 +25,8 @@ What it derives:
   num_devices read from the directory's experiment.yaml (or the base's).
 * ``k8s/base/rabbitmq/definitions.template.json``: the broker's users, permissions and topic
   permissions for the fixed roles (admin, server, aggregator, join), from
-  ``shared.provision.role_permissions`` — the one place they are written. ``@PREFIX@``,
+  ``shared.provision.role_permissions`` — the one place they are written — and the experiment's
+  exchanges and dead-letter queue as the transport declares them. ``@PREFIX@``,
   ``@EXPERIMENT@``, ``@EXPERIMENT_RE@`` and ``@<ROLE>_PASSWORD@`` are filled in at pod start by
   ``render-definitions.sh``, from the fedfleet-env ConfigMap and the rabbitmq-credentials Secret.
 
@@ -202,7 +203,43 @@ def definitions_template() -> str:
             )
     finally:
         identity.configure(identity.DEFAULT_PREFIX)
-    doc = {"vhosts": [{"name": "/"}], "users": users, "permissions": permissions, "topic_permissions": topic}
+    n = names(_E)
+    # the experiment's topology as the server's transport declares it (shared/transport/amqp.py): the
+    # broker has it from boot, and a server declaring it differently fails at once (406)
+    exchanges = [
+        {
+            "name": name,
+            "vhost": "/",
+            "type": kind,
+            "durable": True,
+            "auto_delete": False,
+            "internal": False,
+            "arguments": {},
+        }
+        for name, kind in ((n.exchange, "topic"), (n.dead_letter_exchange, "fanout"))
+    ]
+    queues = [
+        {"name": n.dead_letter_queue, "vhost": "/", "durable": True, "auto_delete": False, "arguments": {}}
+    ]
+    bindings = [
+        {
+            "source": n.dead_letter_exchange,
+            "vhost": "/",
+            "destination": n.dead_letter_queue,
+            "destination_type": "queue",
+            "routing_key": "",
+            "arguments": {},
+        }
+    ]
+    doc = {
+        "vhosts": [{"name": "/"}],
+        "users": users,
+        "permissions": permissions,
+        "topic_permissions": topic,
+        "exchanges": exchanges,
+        "queues": queues,
+        "bindings": bindings,
+    }
     text = json.dumps(doc, indent=2) + "\n"
     # the experiment id appears raw (the exchange's name) and regex-escaped (inside the patterns)
     escaped = json.dumps(re.escape(f"ff.{_E}"))[1:-1]
