@@ -464,3 +464,25 @@ def test_overlay_runs_to_completion_as_processes(overlay: str, broker_url: str, 
         for u in api.call("GET", "/api/users"):
             if u["name"].startswith(prefix):
                 api.call("DELETE", f"/api/users/{q(u['name'])}")
+
+
+def test_the_harness_calls_an_exit_under_restart_policy_always_a_crash_loop(tmp_path: Path) -> None:
+    """The restart semantics above can fail: a Deployment's container that exits (even with 0) is a
+    crash loop; a Job's that exits non-zero is a failure; a Job's exit 0, or an exit after SIGTERM,
+    is fine."""
+
+    def exited(policy: str, code: int, terminated: bool = False) -> Cluster:
+        cluster = Cluster([], tmp_path, "unused", {})
+        proc = subprocess.Popen([sys.executable, "-c", f"raise SystemExit({code})"])
+        proc.wait()
+        cluster.pods.append(Pod("p", ("X", "p"), policy, proc=proc, terminated=terminated))
+        return cluster
+
+    with pytest.raises(pytest.fail.Exception, match="crash loop"):
+        exited("Always", 0).check()
+    with pytest.raises(AssertionError, match="failed with 1"):
+        exited("Never", 1).check()
+    with pytest.raises(AssertionError, match="after SIGTERM"):
+        exited("Always", 1, terminated=True).check()
+    exited("OnFailure", 0).check()
+    exited("Always", 0, terminated=True).check()
