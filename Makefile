@@ -11,7 +11,7 @@ FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 CONFIG     ?= experiments/quickstart.yaml
 PYTEST_ARGS ?=
 
-.PHONY: help setup system-deps broker run test lint typecheck bench clean
+.PHONY: help setup system-deps broker run test lint typecheck bench clean asyncapi
 
 help:  ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -29,6 +29,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 setup: $(STAMP) system-deps  ## create the venv and install everything
+	@scripts/setup_asyncapi.sh
 
 system-deps:  ## Debian packages: Fashion-MNIST data, promtool/prometheus and the deploy validators
 	@if [ ! -d /usr/share/dataset-fashion-mnist ] && ! dpkg -s dataset-fashion-mnist >/dev/null 2>&1; then \
@@ -52,6 +53,18 @@ lint: $(STAMP)  ## ruff and mypy
 
 bench: setup broker  ## benchmarks → benchmarks/results.md
 	RABBITMQ_URL=$$(PYTHON=$(PY) scripts/ensure_broker.sh) $(PY) benchmarks/run_all.py --out benchmarks/results.md
+
+ASYNCAPI := .tools/asyncapi/node_modules/.bin/asyncapi
+ASYNCAPI_ENV := ASYNCAPI_METRICS_CONFIG_PATH=$(CURDIR)/.tools/asyncapi/analytics.json SUPPRESS_NO_CONFIG_WARNING=1
+
+asyncapi: setup  ## regenerate docs/asyncapi.yaml, validate it, render docs/asyncapi-html/ and its screenshot
+	$(VENV)/bin/fedfleet asyncapi --out docs/asyncapi.yaml
+	$(ASYNCAPI_ENV) $(ASYNCAPI) validate docs/asyncapi.yaml
+	$(ASYNCAPI_ENV) $(ASYNCAPI) generate fromTemplate docs/asyncapi.yaml \
+	  .tools/asyncapi/node_modules/@asyncapi/html-template -o docs/asyncapi-html --force-write -p singleFile=true
+	@command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
+	chromium --headless --no-sandbox --disable-gpu --hide-scrollbars --window-size=1400,1800 \
+	  --virtual-time-budget=8000 --screenshot=docs/img/asyncapi.png file://$(CURDIR)/docs/asyncapi-html/index.html
 
 clean:  ## remove run outputs and caches (keeps the venv)
 	rm -rf runs .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,6 +1,8 @@
-"""Run every benchmark (codec, rounds, transfer) and write one markdown report; ``make bench`` calls this.
+"""Run every benchmark (codec, envelope, rounds, transfer) and write one markdown report.
 
-Usage: ``python benchmarks/run_all.py --out benchmarks/results.md [--only codec rounds transfer]
+``make bench`` calls this.
+
+Usage: ``python benchmarks/run_all.py --out benchmarks/results.md [--only codec envelope rounds transfer]
 [--rounds 12] [--clients 2] [--aggregators 1] [--runs-dir runs]``.
 
 Why one report that starts with its own provenance: benchmark numbers are only comparable with the
@@ -36,10 +38,11 @@ for path in (str(REPO), str(BENCH_DIR)):  # the bench modules, and `shared` from
         sys.path.insert(0, path)
 
 import bench_codec  # noqa: E402
+import bench_envelope  # noqa: E402
 import bench_rounds  # noqa: E402
 import bench_transfer  # noqa: E402
 
-BENCHMARKS = ("codec", "rounds", "transfer")
+BENCHMARKS = ("codec", "envelope", "rounds", "transfer")
 
 
 def _redact(url: str) -> str:
@@ -127,9 +130,14 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(stderr=True)
     steps = {
         "codec": 1,
+        "envelope": 1,
         "rounds": bench_rounds.step_count((10, 50), bench_rounds.TRANSPORTS),
         "transfer": bench_transfer.step_count(),
     }
+
+    def _envelope(say: Callable[[str], None]) -> str:
+        say("envelope: every message of every algorithm")
+        return bench_envelope.run(2)
 
     def codec(say: Callable[[str], None]) -> str:
         say("codec: encode/decode throughput")
@@ -137,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
 
     jobs: dict[str, tuple[str, Callable[[Callable[[str], None]], str]]] = {
         "codec": ("Codec throughput", codec),
+        "envelope": (
+            "Message overhead by algorithm and kind",
+            lambda say: _envelope(say),
+        ),
         "rounds": (
             "Round wall time vs the compute floor",
             lambda say: bench_rounds.run(

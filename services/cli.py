@@ -9,6 +9,7 @@ a results table and leaves ``runs/<run-id>/``. The per-service commands (``serve
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import signal
@@ -21,10 +22,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pydantic import ValidationError
 from rich.console import Console
 
 from services import orchestrator
-from services.report import print_report
+from services.report import ACCURACY_CHOICES, print_report
 from shared.config import (
     ConfigError,
     ExperimentConfig,
@@ -32,6 +34,7 @@ from shared.config import (
     Settings,
     claim_run_dir,
     dump_config,
+    explain,
     load_config,
 )
 from shared.results import read_summary, write_summary
@@ -68,7 +71,11 @@ def _settings() -> Settings:
     """The process's settings; they also name its deployment's broker users (``user_prefix``)."""
     from shared import identity
 
-    settings = Settings()
+    try:
+        settings = Settings()
+    except ValidationError as err:  # e.g. FEDFLEET_LINGER_S=inf: one clear message, no traceback
+        console.print(f"[red]settings error[/red]\n{explain(err, 'environment', Settings)}")
+        raise SystemExit(2) from None
     identity.configure(settings.user_prefix)
     return settings
 
@@ -172,7 +179,7 @@ def cmd_server(args: argparse.Namespace) -> int:
 
 
 def cmd_aggregator(args: argparse.Namespace) -> int:
-    from services.aggregator.service import Aggregator
+    from services.aggregator.service import Aggregator, registered_samples
     from services.common import setup_logging
     from shared import metrics
 
@@ -180,17 +187,19 @@ def cmd_aggregator(args: argparse.Namespace) -> int:
     setup_logging(settings.log_level)
     cfg = _load(args.config)
     exp_id = _experiment_id(args, cfg, settings)
-    strategy = _experiment(cfg, args.config).strategy
+    exp = _experiment(cfg, args.config)
     metrics.serve(_metrics_port(args, settings, "aggregator"))
     transport = _transport(settings.rabbitmq_url, exp_id)
     agg = Aggregator(
         transport,
-        strategy,
+        exp.strategy,
         experiment_id=exp_id,
         algorithm=cfg.algorithm.name,
         aggregator_id=args.id or socket.gethostname(),
         prefetch=cfg.processes.prefetch,
         max_bytes=cfg.processes.max_message_bytes,
+        bounds=cfg.bounds,
+        sample_limits=registered_samples(exp),
     )
     _install_signal_handlers(agg)
     agg.run()
@@ -299,6 +308,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if (run_dir / "summary.json").exists():
         console.print(f"[red]{run_dir} already holds a finished run[/red]; choose another --run-id")
         return 2
+    transport = _choose_transport(args.transport, settings)
+    if transport is None:
+        return 2
     # Build the experiment once here so that a bad fleet, dataset or algorithm option is refused
     # before any process starts, with the error that names the file, row and field.
     if (why := _cannot_run(cfg)) is not None:
@@ -306,23 +318,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
     if (config_path := _claim(run_dir, cfg, args.force)) is None:
         return 2
-
-    transport = args.transport
-    if transport in ("auto", "amqp"):
-        from shared.transport.amqp import broker_reachable
-
-        if broker_reachable(settings.rabbitmq_url):
-            transport = "amqp"
-        elif transport == "amqp":
-            console.print(f"[red]RabbitMQ is not reachable at {settings.rabbitmq_url}[/red]")
-            return 2
-        else:
-            console.print(
-                "[bold yellow]WARNING: no RabbitMQ broker reachable — running IN-PROCESS (one process, "
-                "no broker). Results are the same; timings and traffic are not those of a "
-                "deployment.[/bold yellow]"
-            )
-            transport = "inproc"
     console.print(f"run [bold]{run_id}[/bold] · {cfg.algorithm.name} · {transport} · results in {run_dir}")
     started = time.time()
     if transport == "inproc":
@@ -347,6 +342,48 @@ def cmd_run(args: argparse.Namespace) -> int:
     return rc
 
 
+def _broker_hosts(url: str) -> str:
+    """The ``host:port`` of each broker address in ``url`` (``;``-separated), never its password."""
+    from urllib.parse import urlsplit
+
+    hosts = []
+    for one in filter(None, (u.strip() for u in url.split(";"))):
+        parts = urlsplit(one)
+        hosts.append(f"{parts.hostname or '?'}:{parts.port or 5672}")
+    return ", ".join(hosts) or "(empty RABBITMQ_URL)"
+
+
+def _choose_transport(requested: str, settings: Settings) -> str | None:
+    """The transport ``fedfleet run`` uses (None: refused, and said why).
+
+    Why an explicit ``RABBITMQ_URL`` never falls back: a user who names a broker wants the run on it
+    (its Prometheus, its queues, a deployment's timings). Falling back to the in-process transport
+    when it did not answer gave a result that looked fine but was not the measurement asked for, and
+    hid the broker's address typo. Only the implicit default (no ``RABBITMQ_URL``, local broker
+    absent) falls back, loudly. Messages name the host and port, never the credentials.
+    """
+    if requested == "inproc":
+        return "inproc"
+    from shared.transport.amqp import broker_reachable
+
+    url = settings.rabbitmq_url
+    if broker_reachable(url):
+        return "amqp"
+    if requested == "amqp" or "rabbitmq_url" in settings.model_fields_set:
+        why = "RABBITMQ_URL is set" if "rabbitmq_url" in settings.model_fields_set else "--transport amqp"
+        console.print(
+            f"[red]RabbitMQ does not answer at {_broker_hosts(url)}[/red] ({why}): start the broker or "
+            "fix RABBITMQ_URL; to run without a broker, unset RABBITMQ_URL or pass --transport inproc"
+        )
+        return None
+    console.print(
+        "[bold yellow]WARNING: no RabbitMQ broker reachable at "
+        f"{_broker_hosts(url)} (RABBITMQ_URL unset) — running IN-PROCESS (one process, no broker). "
+        "Results are the same; timings and traffic are not those of a deployment.[/bold yellow]"
+    )
+    return "inproc"
+
+
 def _build(cfg: ExperimentConfig) -> Experiment | str:
     """The experiment with its strategy, fleet and partitions made, or why this machine cannot make
     it (a missing dataset file, a bad fleet row, a partition that cannot be made).
@@ -369,7 +406,93 @@ def _build(cfg: ExperimentConfig) -> Experiment | str:
 def _cannot_run(cfg: ExperimentConfig) -> str | None:
     """Why this machine cannot run ``cfg`` (None: it can)."""
     built = _build(cfg)
-    return built if isinstance(built, str) else None
+    if isinstance(built, str):
+        return built
+    return _too_small_for_messages(built)
+
+
+def message_sizes(exp: Experiment) -> dict[str, int]:
+    """The largest messages the experiment's first round sends, in bytes, by what they are.
+
+    ``task``: the largest task or shared payload of round 1, encoded exactly as the server encodes
+    them (``services.server.fanout``) for every device of the fleet. ``partial``: an aggregator's
+    partial reduction of one update shaped like that task (the reduction keeps float64 sums, so it
+    is often the biggest message); left out for an algorithm whose update cannot have a task's shape.
+    Why round 1: later rounds of the shipped algorithms send the same shapes (sparse ones fewer bytes).
+    """
+    from services.common import encode_tensors
+    from services.server import fanout
+    from services.server.service import Server
+    from shared import schemas
+    from shared.algorithms.base import Partial, UpdateSpec
+
+    registry = Server._device_infos(exp)
+    devices = sorted(registry)
+    strategy = exp.strategy
+    specs = strategy.plan(strategy.init_state(), 1, devices, registry)
+    exp_id, key = exp.cfg.name, "0" * 32
+
+    def encode(kind: schemas.Kind, body: Any) -> bytes:
+        return schemas.encode(kind, body, exp=exp_id, round=1, sender="server", inc="0" * 12, key=key)
+
+    planned = [d for d in devices if d in specs]
+    out = fanout.build(
+        schemas.Kind.TASK,
+        specs,
+        planned,
+        host_of=lambda d: "host",
+        route=lambda h: f"host.{h}",
+        task_key=lambda d: key,
+        encode=encode,
+    )
+    sizes = {"task": max([len(t.data) for t in out.tasks] + [len(d) for _, _, d in out.payloads] + [0])}
+    biggest = max((specs[d] for d in planned), key=lambda s: _codec_bytes(s.tensors), default=None)
+    if biggest is not None and biggest.tensors:
+        try:
+            partial = strategy.reduce(Partial(), UpdateSpec(dict(biggest.tensors), num_samples=1))
+        except Exception:  # an update of another shape than the task (thresholds, masks): no estimate
+            return sizes
+        tensors, scalars = partial.to_wire()
+        body = schemas.Partial(
+            aggregator_id="aggregator-0-00000000",
+            seq=0,
+            devices=list(range(math.ceil(exp.cfg.devices_per_round * exp.cfg.emulation.over_selection))),
+            tensors=encode_tensors(tensors)[0],
+            scalars=scalars,
+        )
+        sizes["partial"] = len(encode(schemas.Kind.PARTIAL, body))
+    return sizes
+
+
+def _codec_bytes(tensors: dict[str, Any]) -> int:
+    """Dense-equivalent bytes of named tensors (to pick the largest task)."""
+    from shared import codec
+
+    return sum(codec.dense_bytes(t) for t in tensors.values())
+
+
+def _too_small_for_messages(exp: Experiment) -> str | None:
+    """Why ``processes.max_message_bytes`` cannot carry the experiment's messages (None: it can).
+
+    Why check before running: every service dead-letters a message over the limit unread, so a limit
+    below the model's size let the run start and then fail as "only 0 of 20 devices registered",
+    nowhere near the cause. Validation says how big the messages are instead.
+    """
+    limit = exp.cfg.processes.max_message_bytes
+    try:
+        sizes = message_sizes(exp)
+    except Exception as err:  # sizing is a check on top: a failure in it must not hide the config
+        why = f"{type(err).__name__}: {err}"
+        console.print(f"[yellow]could not size this experiment's messages ({why})[/yellow]")
+        return None
+    if max(sizes.values()) <= limit:
+        return None
+    what = {"task": "a round-1 task or shared payload", "partial": "an aggregator's partial"}
+    listed = " and ".join(f"{what[k]} {v:,} bytes" for k, v in sizes.items())
+    return (
+        f"processes.max_message_bytes ({limit:,}) is smaller than the messages this experiment sends: "
+        f"{listed}; set it to at least {max(sizes.values()):,} or leave it out (default 256 MiB)"
+    )
 
 
 def _experiment(cfg: ExperimentConfig, source: str) -> Experiment:
@@ -390,7 +513,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from services.report import compare
 
-    return compare(args.runs, args.plot)
+    return compare(args.runs, args.plot, args.accuracy)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -400,6 +523,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     try:
         options = algorithms.parse_options(cfg.algorithm.name, cfg.algorithm.options)
         algorithms.check_train(cfg.algorithm.name, cfg.train)
+        algorithms.check_robust(cfg.algorithm.name, cfg.robust)
     except ValueError as err:
         console.print(f"[red]{args.config}[/red]: {err}")
         return 2
@@ -425,6 +549,40 @@ def cmd_reference(args: argparse.Namespace) -> int:
     else:
         print(text, end="")
     return 0
+
+
+def cmd_asyncapi(args: argparse.Namespace) -> int:
+    from shared.asyncapi import render
+
+    text = render()
+    if args.out:
+        args.out.write_text(text)
+        console.print(f"wrote {args.out}")
+    else:
+        print(text, end="")
+    return 0
+
+
+def cmd_tap(args: argparse.Namespace) -> int:
+    from services import tap
+
+    url = os.environ.get("RABBITMQ_URL", "")
+    if not url:
+        console.print(
+            "[red]fedfleet tap needs RABBITMQ_URL (a broker user with shared.provision.tap_permissions)[/red]"
+        )
+        return 2
+    return tap.run(
+        url.split(";")[0].strip(),
+        args.experiment,
+        kinds=args.kind or (),
+        devices=args.device or (),
+        as_json=args.json,
+        seconds=args.seconds,
+        count=args.count,
+        admin_url=args.admin_url or tap.admin_url_from_env(),
+        until_stop=args.until_stop,
+    )
 
 
 # -- argument parsing ------------------------------------------------------------------------------
@@ -484,6 +642,14 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_ = sub.add_parser("compare", help="tabulate several runs side by side")
     cmp_.add_argument("runs", nargs="+")
     cmp_.add_argument("--plot", metavar="PNG", help="also draw accuracy vs round and vs wire bytes, all runs")
+    cmp_.add_argument(
+        "--accuracy",
+        choices=ACCURACY_CHOICES,
+        default="auto",
+        help="what --plot draws: the global model's accuracy, the devices' own models' (personalised "
+        "algorithms), or both, labelled (default auto: the one kind the runs have; runs of both "
+        "kinds need a choice)",
+    )
     cmp_.set_defaults(fn=cmd_compare)
     hc = sub.add_parser("healthcheck", help="exit 0 iff the local /metrics endpoint answers")
     hc.add_argument("--port", type=int, required=True)
@@ -506,10 +672,33 @@ def build_parser() -> argparse.ArgumentParser:
     ref = sub.add_parser("reference", help="print every config key and algorithm option (Markdown)")
     ref.add_argument("--out", type=Path, help="write to this file instead (docs/configuration.md)")
     ref.set_defaults(fn=cmd_reference)
+
+    tp = sub.add_parser(
+        "tap", help="print an experiment's messages as they go by (RabbitMQ's tracer; takes nothing away)"
+    )
+    tp.add_argument("experiment", help="the experiment id (the run's id)")
+    tp.add_argument("--kind", action="append", help="only this message kind (repeatable)")
+    tp.add_argument(
+        "--device", type=int, action="append", help="only messages about this device (repeatable)"
+    )
+    tp.add_argument("--json", action="store_true", help="one JSON object per line")
+    tp.add_argument("--seconds", type=float, help="stop after this long")
+    tp.add_argument("--count", type=int, help="stop after printing this many lines")
+    tp.add_argument("--until-stop", action="store_true", help="stop when the server ends the run")
+    tp.add_argument(
+        "--admin-url",
+        help="management API URL to switch the vhost's tracer on (default: FEDFLEET_BROKER_ADMIN_URL)",
+    )
+    tp.set_defaults(fn=cmd_tap)
+
+    aa = sub.add_parser("asyncapi", help="print the message plane as an AsyncAPI 3 document (YAML)")
+    aa.add_argument("--out", type=Path, help="write to this file instead (docs/asyncapi.yaml)")
+    aa.set_defaults(fn=cmd_asyncapi)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    from services.server.checkpoint import CheckpointError
     from shared.metrics import MetricsPortInUse
 
     args = build_parser().parse_args(argv)
@@ -517,6 +706,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.fn(args))
     except MetricsPortInUse as err:  # a deployment mistake, not a bug: one line, no traceback
         console.print(f"[red]{err}[/red]")
+        return 2
+    except CheckpointError as err:  # a run directory whose checkpoints are all unusable
+        console.print(f"[red]cannot resume:[/red] {err}")
         return 2
 
 

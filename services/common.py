@@ -15,9 +15,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from shared import codec, metrics
-from shared.identity import ACCEPTS, Sender, identify, strict
-from shared.schemas import DecodeError, Envelope, Kind, decode, encode
+from shared.codec.tensorset import LayoutCache
+from shared.identity import ACCEPTS, Role, Sender, identify, strict
+from shared.schemas import DecodeError, Envelope, Kind, RoundOpen, decode, encode
 from shared.schemas import _Body as Body
+from shared.topology import routable
 from shared.transport import Delivery, Transport
 
 #: message kinds → the ``direction`` label of traffic metrics
@@ -75,6 +77,8 @@ class ServiceBase:
         #: message bytes this service put on, and took off, the broker (its share of broker traffic)
         self.bytes_published = 0
         self.bytes_consumed = 0
+        #: tensor-set layouts learned from the server (what a message may name by digest)
+        self.layouts = LayoutCache()
         #: senders are checked (role, lease) unless every service shares one broker user (dev mode)
         self.strict = strict(transport.user)
         if not self.strict:
@@ -94,12 +98,14 @@ class ServiceBase:
             self.reject(delivery, "oversized", f"{len(delivery.body)} bytes > limit {self.max_bytes}")
             return
         try:
-            env, body = decode(delivery.body, max_bytes=self.max_bytes)
+            env, body = decode(
+                delivery.body, max_bytes=self.max_bytes, exp=self.experiment, layouts=self.layouts
+            )
         except DecodeError as err:
-            self.reject(delivery, err.reason, str(err))
-            return
-        if env.exp != self.experiment:
-            self.reject(delivery, "unknown-experiment", f"experiment {env.exp!r} is not {self.experiment!r}")
+            if err.reason == "unknown-layout" and err.env is not None:
+                self.unknown_layout(err.env, delivery, str(err))
+            else:
+                self.reject(delivery, err.reason, str(err))
             return
         handler = handlers.get(env.kind)
         if handler is None:
@@ -114,6 +120,8 @@ class ServiceBase:
                 f"{env.kind.value} from {sender} ({sender.role.value}); only a {allowed} may send it",
             )
             return
+        if sender.role is Role.SERVER or not self.strict:
+            self._learn_layouts(env, body)
         try:
             handler(env, body, delivery)
         except codec.CodecError as err:
@@ -124,6 +132,21 @@ class ServiceBase:
                 "handler failed", extra={"event": "handler_error", "reason": type(err).__name__}
             )
             self.reject(delivery, "handler-error", f"{type(err).__name__}: {err}")
+
+    def _learn_layouts(self, env: Envelope, body: Any) -> None:
+        """Remember the layouts the server sent (inline in a payload, or listed in a round's
+        announcement), so later messages may name them by digest. Only the server's: a layout a
+        device made up is used for its own message and not kept (nobody can crowd the cache)."""
+        for layout in env.layouts:
+            self.layouts.learn(layout)
+        if isinstance(body, RoundOpen):
+            for layout in body.layouts:
+                self.layouts.learn(layout)
+
+    def unknown_layout(self, env: Envelope, delivery: Delivery, detail: str) -> None:
+        """A message naming a tensor layout this service was not told about. By default that is a
+        bad message; an aggregator that has not yet seen the round's announcement waits instead."""
+        self.reject(delivery, "unknown-layout", detail)
 
     @staticmethod
     def sender(delivery: Delivery) -> Sender:
@@ -150,18 +173,28 @@ class ServiceBase:
         dense_bytes: int = 0,
         sender: str | None = None,
         mac_key: str = "",
+        known: Mapping[bytes, Any] | None = None,
     ) -> int:
         """Encode, publish (confirmed) and count one message; returns its wire size in bytes.
 
         ``mac_key``: a device's task key — the message then carries a MAC of its bytes.
+        ``known``: layouts the receiver knows, by digest (its tensors may name theirs by reference).
         """
         data = encode(
-            kind, body, exp=self.experiment, round=round, sender=sender or self.service, inc=inc, key=mac_key
+            kind,
+            body,
+            exp=self.experiment,
+            round=round,
+            sender=self.service if sender is None else sender,
+            inc=inc,
+            key=mac_key,
+            known=known,
         )
         return self.publish_raw(key, kind, data, dense_bytes=dense_bytes)
 
     def publish_raw(self, key: str, kind: Kind, data: bytes, *, dense_bytes: int = 0) -> int:
         """Publish an already-encoded message and count it — the one place wire bytes are counted."""
+        _check_route(kind, key)
         self.transport.publish(key, data)
         self.bytes_published += len(data)
         labels = (self.experiment, self.algorithm, self.service, DIRECTION.get(kind, "control"), kind.value)
@@ -176,6 +209,8 @@ class ServiceBase:
 
         Returns the keys nobody was bound for (those messages were not delivered and are not counted).
         """
+        for key, _, _ in items:
+            _check_route(kind, key)
         unroutable = self.transport.publish_many([(key, data) for key, data, _ in items])
         labels = (self.experiment, self.algorithm, self.service, DIRECTION.get(kind, "control"), kind.value)
         for key, data, dense in items:
@@ -199,6 +234,13 @@ class ServiceBase:
         while not self.stopped:
             self.transport.process(poll_s)
             self.tick()
+
+
+def _check_route(kind: Kind, key: str) -> None:
+    """Every kind travels on the routing keys ``shared.topology.ROUTES`` names (what the AsyncAPI
+    document and the broker permissions say); anything else is a bug, caught where it happens."""
+    if not routable(kind, key):
+        raise ValueError(f"{kind.value} may not be published with routing key {key!r} (shared/topology.py)")
 
 
 def encode_tensors(tensors: dict[str, codec.Tensor]) -> tuple[dict[str, dict[str, Any]], int]:

@@ -26,7 +26,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -147,7 +147,7 @@ class InprocCluster:
         return [s for s in self.services if isinstance(s, Client)]
 
     def add_aggregator(self, name: str) -> Aggregator:
-        from services.aggregator.service import Aggregator
+        from services.aggregator.service import Aggregator, registered_samples
 
         agg = Aggregator(
             self._transport(aggregator_user()),
@@ -157,6 +157,8 @@ class InprocCluster:
             aggregator_id=name,
             prefetch=self.cfg.processes.prefetch,
             max_bytes=self.cfg.processes.max_message_bytes,
+            bounds=self.cfg.bounds,
+            sample_limits=registered_samples(self.exp),
         )
         self.services.append(agg)
         return agg
@@ -268,9 +270,39 @@ def run_inproc(
     cluster = InprocCluster(exp if exp is not None else Experiment.build(cfg), run_dir, run_id)
     try:
         with RoundProgress(cfg.rounds, enabled=show_progress) as progress:
-            return cluster.run(on_round=on_round, progress=progress)
+            rc = cluster.run(on_round=on_round, progress=progress)
+        if rc == 0 and cluster.broker is not None and (run_dir / "summary.json").exists():
+            _record_inproc_dead_letters(cluster.broker, run_id, run_dir)
+        return rc
     finally:
         cluster.close()
+
+
+def _record_inproc_dead_letters(broker: Any, experiment: str, run_dir: Path) -> None:
+    """What ``fedfleet run`` records over RabbitMQ, for a run over the in-process broker: its dead
+    letters in ``dead_letters.jsonl``, their count and reasons in ``summary.json``."""
+    from shared.results import write_dead_letters
+    from shared.transport import names
+
+    records = []
+    for msg in broker.queues.get(names(experiment).dead_letter_queue, ()):
+        # in process, a dead letter keeps its original sender as its user
+        headers = {"x-fedfleet-user": msg.user_id, "x-original-key": msg.key, **msg.headers}
+        records.append(dead_letter_record(headers, None, msg.body))
+    write_dead_letters(run_dir, records)
+    summarise_dead_letters(run_dir, records)
+
+
+def summarise_dead_letters(run_dir: Path, records: list[dict[str, Any]]) -> None:
+    """``summary.json`` gets the dead letters' count and the count of each reason."""
+    from collections import Counter
+
+    from shared.results import read_summary, write_summary
+
+    summary = read_summary(run_dir)
+    summary["dead_lettered"] = len(records)
+    summary["dead_letter_reasons"] = dict(Counter(r["reason"] for r in records).most_common())
+    write_summary(run_dir, summary)
 
 
 def run_inproc_once(cfg: ExperimentConfig, run_dir: Path, run_id: str, *, force: bool = False) -> bool:
@@ -478,15 +510,23 @@ class ProcessCluster:
 
         return [names(self.experiment_id).client_queue(p.name) for p in self.procs if "client" in p.name]
 
-    def cleanup_broker(self) -> None:
-        """Delete the experiment's queues and exchanges (a finished run leaves none behind)."""
-        from shared.transport.amqp import AmqpTransport
+    def cleanup_broker(self, *, keep_dead_letters: bool = False) -> None:
+        """Delete the experiment's queues and exchanges: a run leaves the broker as it found it.
 
-        t = AmqpTransport(self.url, self.experiment_id)
-        try:
-            t.delete_experiment([t.names.server_queue, t.names.updates_queue, *self.client_queues()])
-        finally:
-            t.close()
+        ``keep_dead_letters``: the dead-letter queue stays while it holds messages (what the user may
+        want to read; ``fedfleet run`` has exported them first) and goes only when empty.
+        """
+        known = [*self.client_queues(), *self.aggregator_queues()]
+        tidy_broker(self.url, self.experiment_id, known=known, keep_dead_letters=keep_dead_letters)
+
+    def aggregator_queues(self) -> list[str]:
+        """The aggregators' queue names as their ids alone would make them (an aggregator may add a
+        session suffix; ``tidy_broker`` finds those through the management API)."""
+        from shared.transport import names
+
+        return [
+            names(self.experiment_id).aggregator_queue(p.name) for p in self.procs if "aggregator" in p.name
+        ]
 
     def wait_for_server(self, progress: RoundProgress | None = None, *, orphan_timeout_s: float = 60) -> int:
         """Wait for the server process to exit, showing progress; returns its exit code.
@@ -571,15 +611,192 @@ def run_processes(
 
 
 def _record_dead_letters_and_clean(cluster: ProcessCluster) -> None:
-    """Record the dead-letter count in ``summary.json``, then delete the experiment's queues."""
-    from shared.results import read_summary, write_summary
-    from shared.transport.amqp import AmqpTransport
+    """Export the dead letters into the run directory and their count and reasons into
+    ``summary.json``, then tidy the broker, keeping a dead-letter queue that holds messages."""
+    from shared.results import DEAD_LETTERS_FILE
 
-    t = AmqpTransport(cluster.url, cluster.experiment_id)
+    records = export_dead_letters(cluster.url, cluster.experiment_id, cluster.run_dir)
+    summarise_dead_letters(cluster.run_dir, records)
+    cluster.cleanup_broker(keep_dead_letters=True)
+    if records:
+        from shared.transport import names
+
+        console.print(
+            f"[yellow]{len(records)} messages were dead-lettered[/yellow]: "
+            f"{cluster.run_dir / DEAD_LETTERS_FILE} (reasons: fedfleet report {cluster.run_dir}); the "
+            f"broker keeps them in {names(cluster.experiment_id).dead_letter_queue} until you delete it"
+        )
+
+
+# -- the broker after a run ------------------------------------------------------------------------
+def _text(value: Any) -> str | None:
+    if value is None:
+        return None
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def dead_letter_record(headers: dict[str, Any] | None, user_id: str | None, body: bytes) -> dict[str, Any]:
+    """What ``dead_letters.jsonl`` says about one dead letter.
+
+    ``reason``/``detail``: the service's (``x-fedfleet-reason``), or ``broker-<why>`` for a message
+    the broker itself dead-lettered (expired, rejected, over a limit). ``sender``: the broker user
+    that published the original (validated by the broker, not the message's own claim, which is in
+    ``claimed_sender``); ``kind`` and ``round`` from the envelope when it can be read at all.
+    """
+    from shared import codec
+    from shared.schemas import DecodeError, Envelope, message_parts
+
+    headers = headers or {}
+    by_service = "x-fedfleet-reason" in headers
+    if by_service:
+        reason = _text(headers["x-fedfleet-reason"])
+    elif "x-first-death-reason" in headers:
+        reason = f"broker-{_text(headers['x-first-death-reason'])}"
+    else:
+        reason = "unknown"
+    env: Envelope | None = None
+    with contextlib.suppress(DecodeError, codec.CodecError, ValueError):
+        env = message_parts(body)  # the envelope of any version this build reads
+    return {
+        "reason": reason,
+        "detail": _text(headers.get("x-fedfleet-detail")),
+        "kind": env.kind.value if env else None,
+        "round": env.round if env else None,
+        "sender": _text(headers.get("x-fedfleet-user")) if by_service else user_id,
+        "claimed_sender": (env.sender or None) if env else None,
+        "routing_key": _text(headers.get("x-original-key")),
+        "dead_lettered_by": user_id if by_service else "broker",
+        "size": len(body),
+    }
+
+
+def broker_addresses(url: str) -> list[str]:
+    """The AMQP URLs in ``url``: one, or several separated by ``;`` (the nodes of a cluster)."""
+    return [u.strip() for u in url.split(";") if u.strip()]
+
+
+def _connect(url: str) -> Any:
+    """A pika connection to the first address of ``url`` that answers."""
+    import pika
+    import pika.exceptions
+
+    error: Exception | None = None
+    for address in broker_addresses(url):
+        try:
+            return pika.BlockingConnection(pika.URLParameters(address))
+        except pika.exceptions.AMQPConnectionError as err:
+            error = err
+    raise ConnectionError(f"no broker answers at {len(broker_addresses(url))} address(es)") from error
+
+
+def export_dead_letters(url: str, experiment: str, run_dir: Path) -> list[dict[str, Any]]:
+    """Copy every message of the experiment's dead-letter queue into ``run_dir/dead_letters.jsonl``
+    and return the records; the queue keeps the messages.
+
+    Why read without acking: the messages are fetched unacknowledged and the connection is closed, so
+    the broker puts every one back where it was. Exporting must not be what empties the queue.
+    """
+    import pika.exceptions
+
+    from shared.results import write_dead_letters
+    from shared.transport import names
+
+    dlq = names(experiment).dead_letter_queue
+    records: list[dict[str, Any]] = []
+    conn = _connect(url)
     try:
-        summary = read_summary(cluster.run_dir)
-        summary["dead_lettered"] = t.queue_depth(t.names.dead_letter_queue)
-        write_summary(cluster.run_dir, summary)
+        ch = conn.channel()
+        try:
+            ch.queue_declare(dlq, passive=True)
+        except pika.exceptions.ChannelClosedByBroker as err:
+            if err.reply_code != 404:
+                raise
+        else:
+            while True:
+                method, props, body = ch.basic_get(dlq, auto_ack=False)
+                if method is None:
+                    break
+                records.append(dead_letter_record(props.headers, props.user_id, body))
     finally:
-        t.close()
-    cluster.cleanup_broker()
+        conn.close()  # the unacknowledged messages go back into the queue
+    write_dead_letters(run_dir, records)
+    return records
+
+
+def management_queues(url: str, experiment: str, timeout_s: float = 5.0) -> list[str] | None:
+    """The experiment's queues as RabbitMQ's management API lists them (None: no API answered).
+
+    Every queue an experiment declares dead-letters into the experiment's DLX, so that argument picks
+    out exactly its queues (a name prefix would also match an experiment whose id extends this one's).
+    The API is assumed on the broker's host, port 15672, with the AMQP URL's credentials (what
+    ``make broker`` sets up).
+    """
+    import base64
+    import json as _json
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    import pika
+
+    from shared.transport import names
+
+    listed: Any = None
+    for address in broker_addresses(url):  # any node of a cluster lists every queue
+        params = pika.URLParameters(address)
+        creds = params.credentials
+        auth = base64.b64encode(f"{creds.username}:{creds.password}".encode()).decode()
+        vhost = urllib.parse.quote(params.virtual_host, safe="")
+        req = urllib.request.Request(f"http://{params.host}:15672/api/queues/{vhost}?columns=name,arguments")
+        req.add_header("Authorization", f"Basic {auth}")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+                listed = _json.loads(resp.read())
+            break
+        except (OSError, ValueError):
+            continue
+    if not isinstance(listed, list):
+        return None
+    dlx = names(experiment).dead_letter_exchange
+    return [
+        str(q["name"])
+        for q in listed
+        if isinstance(q, dict) and (q.get("arguments") or {}).get("x-dead-letter-exchange") == dlx
+    ]
+
+
+def tidy_broker(
+    url: str, experiment: str, *, known: Sequence[str] = (), keep_dead_letters: bool = False
+) -> None:
+    """Delete the experiment's queues and exchanges.
+
+    Which queues: the server's and the updates queue, ``known`` (client and aggregator queues whose
+    names the caller knows), and whatever else the management API lists for the experiment — a
+    killed aggregator's session queue, whose name nobody else knows, would otherwise stay until its
+    ``x-expires``. The dead-letter queue goes too, unless ``keep_dead_letters`` and it holds messages.
+    """
+    import pika.exceptions
+
+    from shared.transport import names
+
+    n = names(experiment)
+    listed = management_queues(url, experiment) or []
+    queues = dict.fromkeys([n.server_queue, n.updates_queue, *known, *listed])
+    # (what, name, keyword arguments): a delete the broker refuses closes the channel (e.g. a
+    # non-empty dead-letter queue with if_empty), so each one that fails gets a fresh channel
+    deletes: list[tuple[str, str, dict[str, Any]]] = [("queue", q, {}) for q in queues]
+    deletes.append(("queue", n.dead_letter_queue, {"if_empty": keep_dead_letters}))
+    deletes += [("exchange", n.exchange, {}), ("exchange", n.dead_letter_exchange, {})]
+    conn = _connect(url)
+    try:
+        ch = conn.channel()
+        for what, name, kwargs in deletes:
+            try:
+                if what == "queue":
+                    ch.queue_delete(name, **kwargs)
+                else:
+                    ch.exchange_delete(name)
+            except pika.exceptions.ChannelClosedByBroker:
+                ch = conn.channel()
+    finally:
+        conn.close()

@@ -71,6 +71,11 @@ class Experiment:
         cls = algorithms.get(self.cfg.algorithm.name)
         options = algorithms.parse_options(self.cfg.algorithm.name, self.cfg.algorithm.options)
         algorithms.check_train(self.cfg.algorithm.name, self.cfg.train)
+        algorithms.check_robust(self.cfg.algorithm.name, self.cfg.robust)
+        if self.cfg.robust.active:
+            from shared.algorithms import robust
+
+            cls = robust.wrap(cls)
         ctx = StrategyContext(
             model_factory=self.model,
             input_shape=self.dataset.input_shape,
@@ -79,6 +84,7 @@ class Experiment:
             seed=self.cfg.seed,
             options=options,
             optimizer=self.optimizer,
+            robust=self.cfg.robust,
         )
         return cls(ctx)
 

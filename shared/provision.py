@@ -124,6 +124,29 @@ class BrokerAdmin:
     def _v(self) -> str:
         return urllib.parse.quote(self.vhost, safe="")
 
+    def _get(self, path: str) -> Any:
+        req = urllib.request.Request(self.base + path, method="GET")
+        req.add_header("Authorization", self._auth)
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as err:
+            raise ProvisionError(f"GET {self.base}{path}: HTTP {err.code} {err.reason}") from None
+        except OSError as err:
+            raise ProvisionError(f"GET {self.base}{path}: {err}") from None
+
+    def tracing(self) -> bool:
+        """Whether RabbitMQ's firehose tracer is on for the vhost (what ``fedfleet tap`` reads)."""
+        return bool(self._get(f"/api/vhosts/{self._v()}").get("tracing"))
+
+    def set_tracing(self, on: bool) -> None:
+        self._call("PUT", f"/api/vhosts/{self._v()}", {"tracing": on})
+
+    def trace_listeners(self) -> int:
+        """How many queues are bound to the tracer's exchange (other taps still listening)."""
+        path = f"/api/exchanges/{self._v()}/{urllib.parse.quote(TRACE_EXCHANGE, safe='')}/bindings/source"
+        return len(self._get(path))
+
     def create_host_user(self, experiment: str, host_id: str, password: str) -> str:
         user = identity.host_user(host_id)
         p = host_permissions(experiment, host_id)
@@ -146,6 +169,23 @@ class BrokerAdmin:
         self._call("DELETE", f"/api/users/{urllib.parse.quote(identity.host_user(host_id), safe='')}")
         queue = urllib.parse.quote(names(experiment).client_queue(host_id), safe="")
         self._call("DELETE", f"/api/queues/{self._v()}/{queue}")
+
+
+#: RabbitMQ's firehose exchange: with tracing on, a copy of every message published in the vhost
+TRACE_EXCHANGE = "amq.rabbitmq.trace"
+
+
+def tap_permissions(experiment: str) -> Permissions:
+    """The least a ``fedfleet tap`` user needs: its own server-named queue (declare, bind, consume)
+    and reading the tracer's copies of this experiment's publishes — no access to any queue or
+    exchange of the experiment itself, so it can take nothing away from anyone."""
+    return Permissions(
+        configure="^amq\\.gen-.*$",
+        write="^amq\\.gen-.*$",
+        read=f"^(amq\\.gen-.*|{re.escape(TRACE_EXCHANGE)})$",
+        topic_write="^$",
+        topic_read=f"^publish\\.{re.escape(names(experiment).exchange)}$",
+    )
 
 
 def new_host() -> tuple[str, str]:

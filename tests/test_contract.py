@@ -37,10 +37,11 @@ from services.orchestrator import InprocCluster
 from services.server.service import Server
 from shared import algorithms
 from shared.algorithms.base import DeviceContext, TaskSpec, UpdateSpec
+from shared.codec.tensorset import LayoutCache
 from shared.config import ExperimentConfig, parse_config
 from shared.devices import admit
 from shared.experiment import Experiment
-from shared.schemas import Task, decode
+from shared.schemas import Kind, RoundOpen, Task, decode, device_bytes
 from shared.transport import Transport
 
 ALGORITHMS = sorted(algorithms.REGISTRY)
@@ -89,13 +90,29 @@ class Observed:
     carried: dict[str, int] = field(default_factory=dict)
     #: what the emulated devices downloaded, by kind: each task plus the payload it refers to
     device_down: dict[str, int] = field(default_factory=dict)
+    #: what the emulated devices uploaded: their updates without the telemetry
+    device_up: int = 0
+    #: payload bytes by the kind of the tasks that follow them (training or evaluation)
+    payload_for: dict[str, int] = field(default_factory=dict)
+    _payloads: int = 0
+    #: the layouts the server announced (an update may name its layout by digest)
+    layouts: LayoutCache = field(default_factory=LayoutCache)
 
     def count(self, key: str, body: bytes) -> None:
-        env, msg = decode(body, max_bytes=len(body) + 1)
+        env, msg = decode(body, max_bytes=len(body) + 1, layouts=self.layouts)
+        for layout in [*env.layouts, *(msg.layouts if isinstance(msg, RoundOpen) else [])]:
+            self.layouts.learn(layout)
         kind = env.kind.value
         self.carried[kind] = self.carried.get(kind, 0) + len(body)
         if isinstance(msg, Task):
             self.device_down[kind] = self.device_down.get(kind, 0) + len(body) + msg.payload_bytes
+            # a fan-out publishes its payloads just before its tasks
+            self.payload_for[kind] = self.payload_for.get(kind, 0) + self._payloads
+            self._payloads = 0
+        if env.kind is Kind.PAYLOAD:
+            self._payloads += len(body)
+        if env.kind is Kind.UPDATE:
+            self.device_up += device_bytes(body)
 
 
 def _observe(exp: Experiment, seen: Observed) -> None:
@@ -289,7 +306,8 @@ def test_summary_bytes_are_the_bytes_of_every_message(
         == device_down["task"]
         == counted("fedfleet_device_bytes_total", direction="down")
     )
-    assert summary["bytes_up"] == carried["update"] == counted("fedfleet_device_bytes_total", direction="up")
+    assert summary["bytes_up"] == run.seen.device_up == counted("fedfleet_device_bytes_total", direction="up")
+    assert carried["update"] > run.seen.device_up  # the broker also carried the updates' telemetry
     if "bytes_eval_down" in summary:
         assert summary["bytes_eval_down"] == device_down["evaluate"]
     # what crossed the broker: every publish counted once, by kind
@@ -300,7 +318,8 @@ def test_summary_bytes_are_the_bytes_of_every_message(
     rows = csv.DictReader(io.StringIO((run.run_dir / "rounds.csv").read_text()))
     rounds_broker = sum(int(r["broker_bytes"]) for r in rows)
     assert rounds_broker == summary["broker_bytes"]
-    core = sum(carried.get(k, 0) for k in ("task", "payload", "update", "receipt", "partial", "round_open"))
+    core = sum(carried.get(k, 0) for k in ("task", "update", "receipt", "partial", "round_open"))
+    core += run.seen.payload_for.get("task", 0)  # the evaluation's payloads are not a round's
     assert core <= rounds_broker <= sum(carried.values())
     if algorithm == "fedavg":  # one model for every device: it crossed the broker once per host
         assert carried["task"] + carried["payload"] < summary["bytes_down"] * 0.75

@@ -25,9 +25,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from services.client.service import Client
 from services.orchestrator import free_ports, run_inproc
 from shared import codec
+from shared.codec.tensorset import LayoutCache
 from shared.config import load_config
 from shared.experiment import Experiment
-from shared.schemas import Kind, Reject, Update, decode, encode
+from shared.schemas import Kind, Reject, Update, decode, device_bytes, encode
 from shared.transport import KEY_SERVER, KEY_UPDATE
 from shared.transport.amqp import AmqpTransport
 from tests.conftest import read_rounds, wait_for, write_config
@@ -115,17 +116,23 @@ def test_amqp_run_equals_inproc_and_counts_every_published_byte(cluster: Any, tm
     scraped = {name: _scrape(p) for name, p in ports.items()}
     published = {"update": 0, "task": 0, "payload": 0}
     device_down = 0  # what the emulated devices downloaded: each task plus its payload
+    device_up = 0  # what they uploaded: each update without its telemetry
+    layouts = LayoutCache()  # learned from the payloads, as the services do (updates name them)
     conn = pika.BlockingConnection(pika.URLParameters(c.url))
     ch = conn.channel()
     while True:
         method, _props, body = ch.basic_get(spy_q, auto_ack=True)
         if method is None:
             break
-        env, msg = decode(body, max_bytes=len(body) + 1)
+        env, msg = decode(body, max_bytes=len(body) + 1, layouts=layouts)
+        for layout in env.layouts:
+            layouts.learn(layout)
         if env.kind.value in published:
             published[env.kind.value] += len(body)
         if env.kind is Kind.TASK:
             device_down += len(body) + msg.payload_bytes
+        if env.kind is Kind.UPDATE:
+            device_up += device_bytes(body)
     conn.close()
     spy.delete_queue(spy_q)
     spy.close()
@@ -140,7 +147,8 @@ def test_amqp_run_equals_inproc_and_counts_every_published_byte(cluster: Any, tm
     # more cheaply (one model per host)
     summary = json.loads((c.run_dir / "summary.json").read_text())
     assert summary["transport"] == "amqp" and summary["rounds_completed"] == 3
-    assert summary["bytes_up"] == published["update"]
+    assert summary["bytes_up"] == device_up
+    assert summary["telemetry_bytes_up"] == published["update"] - device_up > 0
     assert summary["bytes_down"] == device_down
     assert published["task"] + published["payload"] < device_down
     assert _sum(scraped["server"], "fedfleet_device_bytes_total", direction="down") == device_down
@@ -165,7 +173,13 @@ class InjectingClient(Client):
                 # every injected update is MAC'd with this device's real task key
                 body = Update(device_id=device, num_samples=10, tensors=tensors)
                 return encode(
-                    Kind.UPDATE, body, exp=self.experiment, round=rnd, sender="evil", inc=inc_, key=msg.key
+                    Kind.UPDATE,
+                    body,
+                    exp=self.experiment,
+                    round=rnd,
+                    sender="evil",
+                    inc=inc_,
+                    key=msg.key.hex(),
                 )
 
             dense = {k: codec.encode(codec.Dense(v)) for k, v in weights.items() if v.dtype.kind == "f"}
@@ -175,7 +189,7 @@ class InjectingClient(Client):
                     {"v": 1, "kind": "update", "exp": self.experiment, "round": good_round}
                 ),
                 "tensor": upd(msg.device_id, good_round, inc, {**dense, "fc1.weight": bad_tensor}),
-                "unknown-round": upd(msg.device_id, 999, "not-an-incarnation", dense),
+                "unknown-round": upd(msg.device_id, 999, "ffffffff", dense),  # another incarnation
                 "unknown-device": upd(7777, good_round, inc, dense),
                 # a well-formed update in the name of device 1, whose task this client never saw
                 "forged": upd(1, good_round, inc, dense),
@@ -193,7 +207,7 @@ class InjectingClient(Client):
                 round=good_round,
                 sender="evil",
                 inc=inc,
-                key=msg.key,
+                key=msg.key.hex(),
             )
             self.transport.publish(KEY_SERVER, forged)
             self.injected.append("forged-refusal")

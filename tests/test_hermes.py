@@ -342,20 +342,15 @@ def test_upload_bytes_per_device_fall_with_the_mask_and_never_rise(tmp_path: Pat
     run.mkdir()
     cluster = InprocCluster(exp, run, exp_id, aggregators=1, clients=1)
     server = cluster.server
-    wire_up = {
-        "experiment": exp_id,
-        "algorithm": "hermes",
-        "service": "client",
-        "direction": "up",
-        "kind": "update",
-    }
+    device_up = {"experiment": exp_id, "algorithm": "hermes", "direction": "up", "tier": "default"}
     hist = {"experiment": exp_id, "algorithm": "hermes", "direction": "up", "tier": "default"}
     per_round: list[float] = []
 
     def after_round(_: object) -> None:
         # a round just closed (and the next one opened): the client has not yet trained for the new
         # round, so the counter delta is exactly this round's uploads
-        per_round.append(_counter("fedfleet_wire_bytes_total", **wire_up) - sum(per_round))
+        # (the device's upload; on the broker the update also carries its telemetry)
+        per_round.append(_counter("fedfleet_device_bytes_total", **device_up) - sum(per_round))
 
     cluster.run(on_round=after_round, max_steps=200_000)
     assert server.stopped and len(per_round) == 9

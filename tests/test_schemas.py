@@ -2,21 +2,29 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from shared import codec
+from shared.codec import tensorset
 from shared.schemas import (
+    ACCEPTED_VERSIONS,
     BODY_MODELS,
+    SCHEMA_VERSION,
     DecodeError,
+    Flush,
     Heartbeat,
     Kind,
     Partial,
     Update,
     decode,
+    device_bytes,
     encode,
+    message_parts,
     task_key,
     verify,
 )
@@ -39,8 +47,8 @@ def _sample(kind: Kind) -> object:
             Kind.DEVICE_STATE: {"device_id": 1, "files": {"spafl-1.npz": b"\x00\x01"}},
             Kind.ROUND_OPEN: {"selected": [1, 2], "deadline_unix": 1.0},
             Kind.TASK: {"device_id": 1, "tensors": {"w": t}},
-            Kind.PAYLOAD: {"digest": b"\x01" * 16, "tensors": {"w": t}},
-            Kind.FETCH: {"digest": b"\x01" * 16},
+            Kind.PAYLOAD: {"digest": b"\x01" * 8, "tensors": {"w": t}},
+            Kind.FETCH: {"digest": b"\x01" * 8},
             Kind.RECEIPT: {
                 "device_id": 1,
                 "aggregator_id": "a",
@@ -66,9 +74,9 @@ def _sample(kind: Kind) -> object:
 @pytest.mark.parametrize("kind", list(Kind))
 def test_every_message_round_trips(kind: Kind) -> None:
     body = _sample(kind)
-    data = encode(kind, body, exp="e1", round=4, sender="s", inc="abc")  # type: ignore[arg-type]
-    env, back = decode(data, max_bytes=LIMIT)
-    assert (env.kind, env.exp, env.round, env.sender, env.inc) == (kind, "e1", 4, "s", "abc")
+    data = encode(kind, body, exp="e1", round=4, sender="s", inc="abcd")  # type: ignore[arg-type]
+    env, back = decode(data, max_bytes=LIMIT, exp="e1")
+    assert (env.kind, env.exp, env.round, env.sender, env.inc) == (kind, "e1", 4, "s", "abcd")
     assert back.model_dump() == body.model_dump()  # type: ignore[attr-defined]
 
 
@@ -149,9 +157,13 @@ def test_a_devices_mac_binds_device_round_and_every_byte(a: int, b: int, rnd: in
     key = task_key(round_key, rnd, a)
     assert len(key) == 32 and task_key("", rnd, a) == ""
     upd = Update(device_id=a, num_samples=3, metrics={"train_loss": 0.5})
-    data = encode(Kind.UPDATE, upd, exp="e", round=rnd, sender="d", inc="i", key=key)
-    env, _ = decode(data, max_bytes=LIMIT)
+    data = encode(Kind.UPDATE, upd, exp="e", round=rnd, sender="d", inc="0a", key=key)
+    env, _ = decode(data, max_bytes=LIMIT, exp="e")
     assert verify(env, key)
+    assert env.telemetry, "an update's metrics travel as telemetry"
+    tampered = env.model_copy(update={"telemetry": env.telemetry[:-1] + bytes([env.telemetry[-1] ^ 1])})
+    assert not verify(tampered, key)  # the MAC covers the telemetry too
+    assert not verify(env.model_copy(update={"exp": "f"}), key)  # the full experiment id is MAC'd
     assert verify(env, task_key(round_key, rnd, b)) == (a == b)
     assert not verify(env, task_key(round_key, rnd + 1, a))
     assert not verify(env, task_key(other_round_key, rnd, a))
@@ -161,5 +173,135 @@ def test_a_devices_mac_binds_device_round_and_every_byte(a: int, b: int, rnd: in
     assert not verify(env.model_copy(update={"round": rnd + 1}), key)  # replayed into another round
     # a copy without the MAC, or with a MAC of other bytes, never verifies
     assert not verify(env.model_copy(update={"mac": b""}), key)
-    other = encode(Kind.UPDATE, upd, exp="e", round=rnd, sender="d", inc="i", key=key) + junk
-    assert decode(other[: len(data)], max_bytes=LIMIT)[0].mac == env.mac
+    other = encode(Kind.UPDATE, upd, exp="e", round=rnd, sender="d", inc="0a", key=key) + junk
+    assert decode(other[: len(data)], max_bytes=LIMIT, exp="e")[0].mac == env.mac
+
+
+# -- envelope v4: the lean wire form, its tensor sets, and the previous version ---------------------
+def _v3(kind: Kind, body: dict[str, object], exp: str = "e", mac: bytes = b"") -> bytes:
+    """A message as a build of schema version 3 wrote it (a map, the experiment id in full)."""
+    env: dict[str, object] = {"v": 3, "kind": kind.value, "exp": exp, "inc": "0a", "round": 2, "sender": "s"}
+    env["id"] = "x"
+    env["body"] = codec.packb(body)
+    if mac:
+        env["mac"] = mac
+    return codec.packb(env)
+
+
+def test_the_previous_version_is_read() -> None:
+    """Rolling upgrade: a build reads its own version and the one before (ACCEPTED_VERSIONS)."""
+    assert ACCEPTED_VERSIONS == (3, SCHEMA_VERSION) and SCHEMA_VERSION == 4
+    env, body = decode(_v3(Kind.REJECT, {"device_id": 5, "reason": "memory"}), max_bytes=LIMIT, exp="e")
+    assert (env.v, env.kind, env.round, body.device_id, body.reason) == (3, Kind.REJECT, 2, 5, "memory")
+    with pytest.raises(DecodeError) as err:
+        decode(_v3(Kind.REJECT, {"device_id": 5, "reason": "memory"}, exp="f"), max_bytes=LIMIT, exp="e")
+    assert err.value.reason == "unknown-experiment"
+
+
+def test_a_newer_version_is_refused_with_a_reason() -> None:
+    data = codec.packb([SCHEMA_VERSION + 1, 0, 0, b"", 1, "", codec.packb([])])
+    with pytest.raises(DecodeError) as err:
+        decode(data, max_bytes=LIMIT)
+    assert err.value.reason == "schema" and "upgrade" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        [SCHEMA_VERSION, 999, 0, b"", 1, "", b""],  # unknown kind code
+        [SCHEMA_VERSION, 0, 0, "not-bin", 1, "", b""],  # incarnation must be bin
+        [SCHEMA_VERSION, 0, 0, b""],  # too short
+        [SCHEMA_VERSION, 0, 0, b"", -1, "", b""],  # negative round
+    ],
+)
+def test_bad_envelopes_have_reasons(raw: list[object]) -> None:
+    with pytest.raises(DecodeError) as err:
+        decode(codec.packb(raw), max_bytes=LIMIT)
+    assert err.value.reason == "schema"
+
+
+def test_a_message_of_another_experiment_is_refused() -> None:
+    data = encode(Kind.FLUSH, Flush(), exp="mine", round=1, sender="s")
+    assert decode(data, max_bytes=LIMIT, exp="mine")[0].exp == "mine"
+    with pytest.raises(DecodeError) as err:
+        decode(data, max_bytes=LIMIT, exp="theirs")
+    assert err.value.reason == "unknown-experiment"
+
+
+def test_telemetry_is_not_a_devices_bytes() -> None:
+    upd = Update(device_id=3, num_samples=10, metrics={"train_loss": 0.5, "steps": 4.0}, task_bytes=99)
+    key = task_key("ab" * 16, 1, 3)
+    data = encode(Kind.UPDATE, upd, exp="e", round=1, sender="", key=key)
+    env = message_parts(data)
+    assert env.telemetry and device_bytes(data) == len(data) - env.telemetry_bytes
+    # without telemetry the same update is exactly device_bytes long
+    bare = encode(Kind.UPDATE, Update(device_id=3, num_samples=10), exp="e", round=1, sender="", key=key)
+    assert len(bare) == device_bytes(data)
+
+
+def _tensors() -> dict[str, dict[str, object]]:
+    w = np.arange(24, dtype=np.float32).reshape(4, 6)
+    mask = (np.arange(24) % 3 == 0).reshape(4, 6)
+    return {
+        "dense": codec.encode(codec.Dense(w)),
+        "thr": codec.encode(codec.Threshold(np.ones(6, dtype=np.float32))),
+        "bitmask": codec.encode(codec.Sparse.from_dense(w, mask), sparse_format="bitmask"),
+        "coo": codec.encode(codec.Sparse.from_dense(w, mask), sparse_format="coo"),
+        "sliced": codec.encode(codec.Sliced.from_dense(w, [np.array([0, 2]), None])),
+        "sliced2": codec.encode(codec.Sliced.from_dense(w, [np.array([1]), np.array([0, 5])])),
+    }
+
+
+def _same(a: dict[str, dict[str, object]], b: dict[str, dict[str, object]]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert codec.decode(a[k]) == codec.decode(b[k]), k
+
+
+def test_a_tensor_set_round_trips_inline_by_digest_and_by_reference() -> None:
+    ts = _tensors()
+    wire = tensorset.to_wire(ts)
+    back, inline = tensorset.unpack(codec.unpackb(codec.packb(wire), max_bytes=LIMIT), {})
+    _same(ts, back)
+    assert inline is not None
+    d = tensorset.digest(inline)
+    # the receiver knows the layout: a digest in place of it
+    short = tensorset.to_wire(ts, {d: inline})
+    assert isinstance(short[0], bytes) and len(codec.packb(short)) < len(codec.packb(wire))
+    _same(ts, tensorset.unpack(codec.unpackb(codec.packb(short), max_bytes=LIMIT), {d: inline})[0])
+    # a sparse copy of two dense tensors, one reshaped: references into the known layout
+    w = np.arange(24, dtype=np.float32).reshape(4, 6)
+    other = {
+        "dense": codec.encode(codec.Sparse.from_dense(w, w > 10)),
+        "thr": codec.encode(codec.Dense(np.ones(3, dtype=np.float32))),
+        "new": codec.encode(codec.Dense(np.zeros(2, dtype=np.float32))),
+    }
+    ref = tensorset.to_wire(other, {d: inline})
+    assert isinstance(ref[0], list) and ref[0][0] == d
+    _same(other, tensorset.unpack(codec.unpackb(codec.packb(ref), max_bytes=LIMIT), {d: inline})[0])
+    with pytest.raises(tensorset.UnknownLayout):
+        tensorset.unpack(short, {})
+
+
+@pytest.mark.parametrize("cut", [1, 4])
+def test_a_tensor_set_whose_buffer_disagrees_with_its_layout_is_refused(cut: int) -> None:
+    wire = tensorset.to_wire(_tensors())
+    with pytest.raises(codec.CodecError):
+        tensorset.unpack([wire[0], wire[1][:-cut], *wire[2:]], {})
+    with pytest.raises(codec.CodecError):
+        tensorset.unpack([wire[0], wire[1] + b"\0" * cut, *wire[2:]], {})
+
+
+@given(st.lists(st.integers(-5, 2**40), max_size=6), st.binary(max_size=64))
+def test_hostile_tensor_sets_raise_codec_errors_only(shape: list[int], blob: bytes) -> None:
+    """Whatever a sender claims, unpacking ends in tensor dicts or a CodecError, nothing else."""
+    for code in range(6):
+        entry: list[object] = ["t", code, 1, shape] + ([1] if code == 4 else [])
+        try:
+            out, inline = tensorset.unpack([[entry], blob, [3, 1]], {})
+        except codec.CodecError:
+            continue
+        # what splits cleanly is the layout it claimed, and the codec's own checks take it from there
+        assert list(out) == ["t"] and inline == [entry]
+        with contextlib.suppress(codec.CodecError):
+            codec.decode(out["t"])

@@ -142,8 +142,8 @@ class Attacker(Client):
         n = self.transport.names
         exp, inc, rnd = self.experiment, env.inc, env.round
 
-        def message(kind: Kind, body: Any, key: str = "") -> bytes:
-            return encode(kind, body, exp=exp, round=rnd, sender="device", inc=inc, key=key)
+        def message(kind: Kind, body: Any, key: bytes = b"") -> bytes:
+            return encode(kind, body, exp=exp, round=rnd, sender="device", inc=inc, key=key.hex())
 
         weights = Experiment.build(self.exp.cfg).strategy.init_state().arrays
         dense = {k: codec.encode(codec.Dense(v)) for k, v in weights.items() if v.dtype.kind == "f"}
@@ -192,14 +192,16 @@ def _own(device: int, dense: dict[str, Any]) -> Update:
 
 
 def _altered(data: bytes) -> bytes:
-    """The same message with one byte of one weight changed, its MAC kept: well-formed, not genuine."""
+    """The same message with one byte of one weight changed, its MAC kept: well-formed, not genuine.
+
+    Envelope v4: ``[v, kind, exp tag, inc, round, sender, body, mac, ...]``; the body's third field
+    is the tensor set ``[layout, blob, ...]``."""
     env = codec.unpackb(data, max_bytes=len(data) + 1)
-    body = codec.unpackb(env["body"], max_bytes=len(data) + 1)
-    name = next(iter(body["tensors"]))
-    raw = bytearray(body["tensors"][name]["data"])
+    body = codec.unpackb(env[6], max_bytes=len(data) + 1)
+    raw = bytearray(body[2][1])
     raw[0] ^= 0x40
-    body["tensors"][name]["data"] = bytes(raw)
-    env["body"] = codec.packb(body)
+    body[2][1] = bytes(raw)
+    env[6] = codec.packb(body)
     return codec.packb(env)
 
 

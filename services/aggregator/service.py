@@ -8,23 +8,43 @@ another aggregator, which sends it on as a one-update ``singleton`` partial that
 if it already has it. That is what makes an aggregator crash count every update exactly once.
 
 Held acks are bounded: when ``prefetch - 1`` updates are held, the aggregator flushes on its own.
+
+Bounds (``_bounded``) are checked here, after the sender and shape checks and before the update is
+reduced: once folded into a sum, one bad update can no longer be told apart or taken out, and the
+server merges partials, not updates. Non-finite values and a ``num_samples`` above what the device
+registered are always dead-lettered; ``bounds.max_update_norm`` rejects or clips.
 """
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from services.common import MessageHandler, ServiceBase, decode_tensors, encode_tensors
 from shared import codec, metrics
 from shared.algorithms.base import Partial, Strategy, UpdateSpec
+from shared.codec import tensorset
+from shared.config import BoundsConfig
 from shared.schemas import Decision, Envelope, Kind, Receipt, RoundOpen, Update, task_key, verify
 from shared.schemas import Partial as PartialMsg
 from shared.transport import KEY_AGGREGATORS, KEY_SERVER, KEY_UPDATE, Delivery, Transport, key_aggregator
 
+if TYPE_CHECKING:
+    from shared.experiment import Experiment
+
 REQUEUE_PAUSE_S = 0.05
+
+
+def registered_samples(exp: Experiment) -> dict[int, int]:
+    """The training samples each device has — what the server registers for it, and the most an
+    update from it may claim (``num_samples`` weighs the update in every mean)."""
+    return {d.device_id: len(exp.partitions[d.device_id]) for d in exp.fleet}
 
 
 @dataclass
@@ -50,9 +70,15 @@ class Aggregator(ServiceBase):
         aggregator_id: str,
         prefetch: int,
         max_bytes: int,
+        bounds: BoundsConfig | None = None,
+        sample_limits: Mapping[int, int] | None = None,
     ) -> None:
         super().__init__(transport, experiment_id, algorithm, max_bytes)
         self.strategy = strategy
+        self.bounds = bounds or BoundsConfig()
+        #: the training samples each device registered: an update may claim at most that many
+        #: (None: no limit known, e.g. a unit test without an experiment)
+        self.sample_limits = sample_limits
         # One queue and one partial sequence per process session: a restarted aggregator must never
         # take an old session's decision for one of its own partials.
         self.aggregator_id = f"{aggregator_id}-{uuid.uuid4().hex[:8]}"
@@ -62,6 +88,7 @@ class Aggregator(ServiceBase):
         self.selected: set[int] = set()
         self.round_key = ""  # the open round's key, from which each device's task key derives
         self.holders: dict[int, str] = {}  # the host serving each selected device (RoundOpen)
+        self.round_layouts: dict[bytes, tensorset.Layout] = {}  # the open round's payload layouts
         self.batch = _Batch()
         self.pending: dict[int, _Batch] = {}
         self.seen: set[int] = set()  # devices reduced in the current round by this aggregator
@@ -105,7 +132,20 @@ class Aggregator(ServiceBase):
         self.inc, self.round, self.selected = env.inc, env.round, set(msg.selected)
         self.round_key = msg.round_key
         self.holders = msg.holder()
+        self.round_layouts = {tensorset.digest(layout): layout for layout in msg.layouts}
         d.ack()
+
+    def unknown_layout(self, env: Envelope, delivery: Delivery, detail: str) -> None:
+        """An update naming a layout of a round whose announcement has not reached us yet (a
+        restarted aggregator, say) waits for it, as an update of an unannounced round does; in the
+        open round, an unknown layout is a bad message."""
+        if env.kind is Kind.UPDATE and (
+            self.round < 0 or (env.inc == self.inc and env.round == self.round + 1)
+        ):
+            time.sleep(REQUEUE_PAUSE_S)
+            delivery.nack(requeue=True)
+            return
+        self.reject(delivery, "unknown-layout", detail)
 
     def on_flush(self, env: Envelope, msg: Any, d: Delivery) -> None:
         if env.inc == self.inc and env.round == self.round:
@@ -151,10 +191,18 @@ class Aggregator(ServiceBase):
             return
         if not self._admissible(env, msg, d):
             return
-        update = UpdateSpec(
-            decode_tensors(msg.tensors), msg.num_samples, dict(msg.metrics), msg.device_id, env.round
-        )
+        try:
+            tensors = decode_tensors(msg.tensors)
+        except codec.CodecError as err:
+            if err.reason != "nonfinite":
+                raise
+            self._out_of_bounds(d, msg.device_id, env.round, "nonfinite", f"device {msg.device_id}: {err}")
+            return
+        update = UpdateSpec(tensors, msg.num_samples, dict(msg.metrics), msg.device_id, env.round)
         self.strategy.validate_update(update)
+        if (bounded := self._bounded(update, d)) is None:
+            return
+        update = bounded
         if d.redelivered:
             # Possibly already merged via a partial of a crashed aggregator: send it alone so the
             # server can tell.
@@ -197,6 +245,68 @@ class Aggregator(ServiceBase):
             return True
         return False
 
+    def _bounded(self, update: UpdateSpec, d: Delivery) -> UpdateSpec | None:
+        """The update within bounds (clipped if so configured), or None after dead-lettering it."""
+        device = update.device_id
+        if bad := [k for k, t in update.tensors.items() if not np.isfinite(_values(t)).all()]:
+            detail = f"device {device}: non-finite values in {bad[:3]}"
+            self._out_of_bounds(d, device, update.round, "nonfinite", detail)
+            return None
+        if bad := [k for k, v in update.metrics.items() if not math.isfinite(v)]:
+            detail = f"device {device}: non-finite metrics {bad[:3]}"
+            self._out_of_bounds(d, device, update.round, "nonfinite", detail)
+            return None
+        limit = None if self.sample_limits is None or device is None else self.sample_limits.get(device)
+        if limit is not None and update.num_samples > limit:
+            detail = f"device {device} claims {update.num_samples} samples, registered {limit}"
+            self._out_of_bounds(d, device, update.round, "num-samples", detail)
+            return None
+        bound = self.bounds.max_update_norm
+        if bound is None:
+            return update
+        norm = math.sqrt(sum(_sum_squares(t) for t in update.tensors.values()))
+        if norm <= bound:
+            return update
+        dense = all(isinstance(t, codec.Dense) for t in update.tensors.values())
+        if self.bounds.on_norm_exceeded == "reject" or not dense:
+            how = "" if dense or self.bounds.on_norm_exceeded == "reject" else " (only dense updates clip)"
+            detail = f"device {device}: update norm {norm:.4g} above {bound:.4g}{how}"
+            self._out_of_bounds(d, device, update.round, "update-norm", detail)
+            return None
+        scale = bound / norm
+        metrics.UPDATE_BOUNDS.labels(self.experiment, self.algorithm, "clipped").inc()
+        self.log.info(
+            "clipped the update of device %s from norm %.4g to %.4g",
+            device,
+            norm,
+            bound,
+            extra={"event": "update_clipped", "device": device},
+        )
+        update.tensors = {
+            k: codec.Dense((np.asarray(_values(t), dtype=np.float64) * scale).astype(_values(t).dtype))
+            for k, t in update.tensors.items()
+        }
+        return update
+
+    def _out_of_bounds(
+        self, d: Delivery, device: int | None, round: int | None, reason: str, detail: str
+    ) -> None:
+        """Dead-letter an out-of-bounds update and tell the server the device's answer is in (a
+        refusal), so the round does not wait for it until the deadline."""
+        metrics.UPDATE_BOUNDS.labels(self.experiment, self.algorithm, reason).inc()
+        size = len(d.body)
+        self.reject(d, reason, detail)
+        assert device is not None and round is not None
+        refusal = Receipt(
+            device_id=device,
+            aggregator_id=self.aggregator_id,
+            update_bytes=size,
+            dense_bytes=0,
+            num_samples=0,
+            refused=reason,
+        )
+        self.send(KEY_SERVER, Kind.RECEIPT, refusal, round=round, inc=self.inc)
+
     def _reduce_into(self, batch: _Batch, update: UpdateSpec, d: Delivery) -> None:
         assert update.device_id is not None
         batch.partial = self.strategy.reduce(batch.partial, update)
@@ -214,11 +324,12 @@ class Aggregator(ServiceBase):
             Receipt(
                 device_id=msg.device_id,
                 aggregator_id=self.aggregator_id,
-                update_bytes=len(d.body),
+                update_bytes=len(d.body) - env.telemetry_bytes,  # the device's own bytes
                 dense_bytes=sum(codec.dense_bytes(t) for t in update.tensors.values()),
                 num_samples=msg.num_samples,
                 metrics=msg.metrics,
                 timings=msg.timings,
+                telemetry_bytes=env.telemetry_bytes,
             ),
             round=env.round,
             inc=env.inc,
@@ -248,4 +359,15 @@ class Aggregator(ServiceBase):
             round=self.round,
             inc=self.inc,
             dense_bytes=dense,
+            known=self.round_layouts,
         )
+
+
+def _values(t: codec.Tensor) -> np.ndarray:
+    """The values a tensor carries (without densifying a sparse or sliced one)."""
+    return t.array if isinstance(t, codec.Dense | codec.Threshold) else t.values
+
+
+def _sum_squares(t: codec.Tensor) -> float:
+    values = np.asarray(_values(t), dtype=np.float64).ravel()
+    return float(np.dot(values, values))

@@ -40,6 +40,7 @@ from services.common import MessageHandler, ServiceBase, decode_tensors, encode_
 from shared import metrics
 from shared.algorithms.base import DeviceContext, DeviceData, TaskSpec, UpdateSpec, derive_seed
 from shared.algorithms.device_state import atomic_write_bytes
+from shared.codec import tensorset
 from shared.devices import Device, admit, dropout_point, emulate_compute, emulate_transfer, transfer_seconds
 from shared.experiment import Experiment
 from shared.schemas import (
@@ -58,6 +59,7 @@ from shared.schemas import (
     Task,
     Timings,
     Update,
+    device_bytes,
     encode,
 )
 from shared.transport import (
@@ -127,6 +129,9 @@ class Client(ServiceBase):
         self.held: dict[tuple[str, int, int], _Held] = {}
         #: the newest round's payloads, decoded (digest → tensors), and tasks waiting for one
         self.payloads: dict[bytes, dict[str, Any]] = {}
+        #: payload digest → the digest of its tensors' layout (an update shaped like its task's
+        #: payload names the layout by digest: the aggregators were told it with the round)
+        self.payload_layouts: dict[bytes, bytes] = {}
         self.payload_round: tuple[str, int] = ("", -1)
         self.waiting: dict[bytes, list[tuple[Envelope, Task, Delivery]]] = {}
         #: the devices of the newest lease applied, with their local data
@@ -291,10 +296,8 @@ class Client(ServiceBase):
 
     def _notify(self, env: Envelope, msg: Task, body: Reject | Ready | EvalResult, kind: Kind) -> None:
         """A device's answer to its task, MAC'd with the task's key (only that task carried it)."""
-        dev = msg.device_id
-        self.send(
-            KEY_SERVER, kind, body, round=env.round, inc=env.inc, sender=f"device-{dev}", mac_key=msg.key
-        )
+        # no sender name: the device id is in the body, and a device's bytes are counted
+        self.send(KEY_SERVER, kind, body, round=env.round, inc=env.inc, sender="", mac_key=msg.key.hex())
 
     def _observe(self, metric: Any, tier: str, seconds: float, real_s: float | None, **labels: str) -> None:
         metric.labels(self.experiment, self.algorithm, tier, *labels.values(), "virtual").observe(seconds)
@@ -307,8 +310,11 @@ class Client(ServiceBase):
         stamp = (env.inc, env.round)
         if stamp != self.payload_round:
             self.payloads.clear()
+            self.payload_layouts.clear()
             self.payload_round = stamp
         self.payloads[msg.digest] = decode_tensors(msg.tensors)
+        if env.layouts:
+            self.payload_layouts[msg.digest] = tensorset.digest(env.layouts[0])
         d.ack()
         for env_, task, delivery in self.waiting.pop(msg.digest, []):
             self._dispatch_task(env_, task, delivery)
@@ -467,18 +473,22 @@ class Client(ServiceBase):
                 upd,
                 exp=self.experiment,
                 round=env.round,
-                sender=f"device-{dev}",
+                sender="",
                 inc=env.inc,
-                key=msg.key,
+                key=msg.key.hex(),
+                known=known,
             )
 
-        # the wire size is known once encoded (timings are fixed-size floats, so filling them in
-        # does not change it)
-        up_s = transfer_seconds(len(body(0.0)), device.profile.uplink_bps, device.profile.latency_s)
+        layout = self.payload_layouts.get(msg.payload)
+        known = {layout: self.layouts[layout]} if layout is not None and layout in self.layouts else None
+        # what the device uploads: the message without its telemetry (metrics and timings are the
+        # emulator's, not the device's), known once encoded; filling the timings in changes only them
+        size = device_bytes(body(0.0))
+        up_s = transfer_seconds(size, device.profile.uplink_bps, device.profile.latency_s)
         data = body(up_s)
         if self.ready_protocol:
             self.held[(env.inc, env.round, dev)] = _Held(data, dense, up_s, device)
-            ready = Ready(device_id=dev, finish_s=down_s + compute_s + up_s, update_bytes=len(data))
+            ready = Ready(device_id=dev, finish_s=down_s + compute_s + up_s, update_bytes=size)
             self._notify(env, msg, ready, Kind.READY)
         else:
             self._upload(data, dense, device, up_s)
@@ -488,7 +498,7 @@ class Client(ServiceBase):
         t0 = time.perf_counter()
         if real:  # pace the upload for real; the emulated duration is already known
             emulate_transfer(
-                len(data), device.profile, "up", mode="real", time_factor=self.emulation.time_factor
+                device_bytes(data), device.profile, "up", mode="real", time_factor=self.emulation.time_factor
             )
         self.publish_raw(KEY_UPDATE, Kind.UPDATE, data, dense_bytes=dense)
         real_s = time.perf_counter() - t0 if real else None

@@ -2,11 +2,11 @@
 
 Why: with FedAvg every device's task *is* the global model. Sent inline, 1,300 invited devices
 pushed 1,300 copies of it (≈ 570 MB for a 440 KB model) through the broker every round, and every
-client process decoded each copy. Here a task spec that several devices share (strategies return the
-same ``TaskSpec`` object for them: FedAvg's one model, HeteroFL's one slice per width) becomes one
+client process decoded each copy. Here the tensors of a task spec become one
 :class:`~shared.schemas.Payload`, content-addressed by a digest, sent once to each host that serves
-one of those devices, ahead of the tasks in the same queue; each task carries the digest and what
-is its device's own.
+a device using it (strategies return the same ``TaskSpec`` object for devices that share it:
+FedAvg's one model, HeteroFL's one slice per width), ahead of the tasks in the same queue; each task
+carries the digest, its config and its key.
 
 The emulation is unchanged: a device is charged the bytes its real counterpart would download — its
 task plus the payload, as one message (``Outgoing.device_bytes``) — so budgets, timings and the
@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from services.common import encode_tensors
 from shared import codec
 from shared.algorithms.base import TaskSpec
+from shared.codec import tensorset
 from shared.schemas import Kind, Payload, Task
 from shared.schemas import _Body as Body
 
@@ -53,6 +54,8 @@ class Fanout:
     tasks: list[Outgoing] = field(default_factory=list)
     #: digest → payload message, to answer a host's ``fetch``
     by_digest: dict[bytes, bytes] = field(default_factory=dict)
+    #: the payloads' tensor-set layouts by digest (the round's announcement lists them)
+    layouts: dict[bytes, tensorset.Layout] = field(default_factory=dict)
 
     @property
     def broker_bytes(self) -> int:
@@ -69,39 +72,44 @@ def build(
     task_key: Callable[[int], str],
     encode: Encode,
 ) -> Fanout:
-    """Encode ``devices``' tasks; a spec shared by two or more devices becomes a payload.
+    """Encode ``devices``' tasks; the tensors of every spec become a payload, once per host.
 
-    A spec used by one device only goes inline: a payload would only add a message.
+    Even a spec only one device uses goes as a payload: the task then carries no tensors, so it
+    never needs a layout (a payload carries its layout inline, and the update that answers it can
+    name that layout by digest). The emulated device is charged the payload as a device that knows
+    its model's architecture would receive it: the tensor set with its layout's digest, not the
+    layout (``tensorset.digest_only_size``).
     """
-    users: dict[int, list[int]] = {}
-    for dev in devices:
-        users.setdefault(id(specs[dev]), []).append(dev)
     out = Fanout()
-    shared: dict[int, tuple[bytes, int, int]] = {}  # spec id → (digest, packed size, dense bytes)
+    shared: dict[int, tuple[bytes, int, int]] = {}  # spec id → (digest, device-charged size, dense bytes)
     sent: set[tuple[str, bytes]] = set()
     for dev in devices:
         spec = specs[dev]
         host = host_of(dev)
-        if len(users[id(spec)]) > 1:
-            if id(spec) not in shared:
-                tensors, dense = encode_tensors(spec.tensors)
-                packed = codec.packb(tensors)
-                digest = hashlib.sha256(packed).digest()[:16]
-                out.by_digest[digest] = encode(Kind.PAYLOAD, Payload(digest=digest, tensors=tensors))
-                shared[id(spec)] = (digest, len(packed), dense)
-            digest, size, dense = shared[id(spec)]
-            if (host, digest) not in sent:
-                sent.add((host, digest))
-                out.payloads.append((host, route(host), out.by_digest[digest]))
-            body = Task(
-                device_id=dev, payload=digest, payload_bytes=size, config=spec.config, key=task_key(dev)
-            )
-            data = encode(kind, body)
-            out.tasks.append(Outgoing(dev, route(host), data, len(data) + size, dense, host))
-        else:
+        if not spec.tensors:
+            data = encode(kind, Task(device_id=dev, config=spec.config, key=bytes.fromhex(task_key(dev))))
+            out.tasks.append(Outgoing(dev, route(host), data, len(data), 0, host))
+            continue
+        if id(spec) not in shared:
             tensors, dense = encode_tensors(spec.tensors)
-            data = encode(kind, Task(device_id=dev, tensors=tensors, config=spec.config, key=task_key(dev)))
-            out.tasks.append(Outgoing(dev, route(host), data, len(data), dense, host))
+            wire = tensorset.to_wire(tensors)
+            digest = hashlib.sha256(codec.packb(wire)).digest()[:8]
+            out.by_digest[digest] = encode(Kind.PAYLOAD, Payload(digest=digest, tensors=tensors))
+            out.layouts.setdefault(tensorset.digest(wire[0]), wire[0])
+            shared[id(spec)] = (digest, tensorset.digest_only_size(wire), dense)
+        digest, size, dense = shared[id(spec)]
+        if (host, digest) not in sent:
+            sent.add((host, digest))
+            out.payloads.append((host, route(host), out.by_digest[digest]))
+        body = Task(
+            device_id=dev,
+            payload=digest,
+            payload_bytes=size,
+            config=spec.config,
+            key=bytes.fromhex(task_key(dev)),
+        )
+        data = encode(kind, body)
+        out.tasks.append(Outgoing(dev, route(host), data, len(data) + size, dense, host))
     return out
 
 

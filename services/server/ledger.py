@@ -19,7 +19,14 @@ import numpy as np
 from services.server.round import EvaluationState, RoundState
 from shared import metrics
 from shared.algorithms.device_state import atomic_savez
-from shared.results import DeviceStats, plot_run, write_devices, write_rounds, write_summary
+from shared.results import (
+    DeviceStats,
+    compression_ratio,
+    plot_run,
+    write_devices,
+    write_rounds,
+    write_summary,
+)
 from shared.schemas import DeviceInfo, MetricKey
 
 #: device-reported metrics that have a column of their own in ``rounds.csv``
@@ -118,6 +125,9 @@ class RunLedger:
         self.totals["dense_bytes_up"] += dense_up
         self.totals["dense_bytes_down"] += rs.dense_down
         self.totals["broker_bytes"] = self.totals.get("broker_bytes", 0) + result.broker_bytes
+        telemetry = sum(r.telemetry_bytes for r in rs.receipts.values())
+        self.totals["telemetry_bytes_up"] = self.totals.get("telemetry_bytes_up", 0) + telemetry
+        metrics.TELEMETRY_BYTES.labels(*self.labels).inc(telemetry)
         now = time.time()
         ev, pm = result.evaluation, result.reported
         row: dict[str, Any] = {
@@ -206,9 +216,10 @@ class RunLedger:
             "final_accuracy": accs[-1] if accs else None,
             "best_accuracy": max(accs) if accs else None,
             **self.totals,
-            "compression_up": self.totals["bytes_up"] / self.totals["dense_bytes_up"]
-            if self.totals["dense_bytes_up"]
-            else None,
+            "compression_ratio_up": compression_ratio(self.totals["dense_bytes_up"], self.totals["bytes_up"]),
+            "compression_ratio_down": compression_ratio(
+                self.totals["dense_bytes_down"], self.totals["bytes_down"]
+            ),
             "wall_seconds": self.rows[-1]["wall_seconds"] if self.rows else 0.0,
             "virtual_seconds": sum(r["virtual_seconds"] for r in self.rows),
             "final_density": self.rows[-1]["density"] if self.rows else 1.0,

@@ -108,7 +108,7 @@ class Server(ServiceBase):
         self.strategy = exp.strategy
         self.run_dir = run_dir
         self.flush_timeout_s = flush_timeout_s
-        self.incarnation = uuid.uuid4().hex[:12]
+        self.incarnation = uuid.uuid4().hex[:8]  # 32 random bits: tells this start from any other
         #: every device of the fleet, as strategies plan for it (tier, samples, profile)
         self.registry: dict[int, DeviceInfo] = self._device_infos(exp)
         self.leases = Leases(
@@ -128,6 +128,8 @@ class Server(ServiceBase):
         self.registration_deadline = self.ledger.started + cfg.registration_timeout_s
         #: the open round (None between rounds)
         self.rs: RoundState | None = None
+        #: (round, selection, tasks) planned for a round that has not opened yet (no aggregator)
+        self._planned: tuple[int, tuple[int, ...], dict[int, TaskSpec]] | None = None
         self.evaluation: EvaluationState | None = None
         self.last_retry = 0.0
         self.resumed = self._resume()
@@ -288,8 +290,25 @@ class Server(ServiceBase):
 
     def on_receipt(self, env: Envelope, msg: Receipt, d: Delivery) -> None:
         if (rs := self._open(env)) is not None:
-            rs.receipt(msg)
+            if msg.refused:
+                self._update_refused(rs, msg)
+            else:
+                rs.receipt(msg)
         d.ack()
+
+    def _update_refused(self, rs: RoundState, msg: Receipt) -> None:
+        """An aggregator dead-lettered the device's update as out of bounds: the device has answered,
+        with nothing to merge — counted as a refusal with the aggregator's reason."""
+        dev = msg.device_id
+        if not rs.is_selected(dev) or dev in rs.receipts or dev in rs.rejects:
+            return
+        rs.rejects[dev] = Reject(device_id=dev, reason=msg.refused, detail="update out of bounds")
+        self.log.warning(
+            "device %d's update was out of bounds (%s): not merged",
+            dev,
+            msg.refused,
+            extra={"event": "update_out_of_bounds", "device": dev, "reason": msg.refused},
+        )
 
     def on_reject(self, env: Envelope, msg: Reject, d: Delivery) -> None:
         rs = self._open(env)
@@ -503,7 +522,19 @@ class Server(ServiceBase):
         deadline = started + self.cfg.round_timeout_s
         key = secrets.token_hex(16)
         holders = [self.leases.table.host_of(dev) or "" for dev in selected]
-        announcement = RoundOpen(selected=selected, deadline_unix=deadline, round_key=key, holders=holders)
+        # planned before the announcement, which lists the layouts of the round's payloads (an
+        # update may then name its layout by digest); a plan is made once per round and selection
+        tasks = self._plan(number, selected)
+        out = self._fanout(Kind.TASK, tasks, selected, key, number)
+        for layout in out.layouts.values():
+            self.layouts.learn(layout)  # partials may name them too
+        announcement = RoundOpen(
+            selected=selected,
+            deadline_unix=deadline,
+            round_key=key,
+            holders=holders,
+            layouts=list(out.layouts.values()),
+        )
         try:
             self.send(KEY_AGGREGATORS, Kind.ROUND_OPEN, announcement, round=number, inc=self.incarnation)
         except Unroutable:
@@ -513,6 +544,7 @@ class Server(ServiceBase):
                 self.log.warning("no aggregator is running; waiting", extra={"event": "no_aggregator"})
             self.phase = Phase.WAITING
             return
+        self._planned = None
         rs = RoundState(
             number=number,
             selected=selected,
@@ -524,6 +556,7 @@ class Server(ServiceBase):
             last_announced=time.time(),
         )
         rs.broker_mark = mark
+        rs.fanout = out
         self.rs, self.round, self.phase = rs, number, Phase.OPEN
         labels = (self.experiment, self.algorithm)
         metrics.ROUND.labels(*labels).set(number)
@@ -539,11 +572,19 @@ class Server(ServiceBase):
             extra={"event": "round_open", "round": number},
         )
 
+    def _plan(self, number: int, selected: list[int]) -> dict[int, TaskSpec]:
+        """The strategy's tasks for round ``number``: planned once, kept while the round waits for an
+        aggregator (a strategy may advance its own state when it plans)."""
+        if self._planned is not None and self._planned[:2] == (number, tuple(selected)):
+            return self._planned[2]
+        tasks = self.strategy.plan(self.state, number, selected, self.registry)
+        self._planned = (number, tuple(selected), tasks)
+        return tasks
+
     def _send_tasks(self, rs: RoundState) -> None:
-        """Plan and publish every selected device's task (shared parts once per host: see
-        ``fanout``); a task nobody can receive makes its device unreachable for the round."""
-        tasks = self.strategy.plan(self.state, rs.number, rs.selected, self.registry)
-        rs.fanout = self._fanout(Kind.TASK, tasks, rs.selected, rs.key)
+        """Publish every selected device's task (shared parts once per host: see ``fanout``); a task
+        nobody can receive makes its device unreachable for the round."""
+        assert rs.fanout is not None
         # one broker round trip for the whole fan-out, not one confirm per device
         unroutable = fanout.publish(rs.fanout, self.publish_batch, Kind.TASK)
         for out in rs.fanout.tasks:
@@ -558,11 +599,12 @@ class Server(ServiceBase):
             rs.dense_down += out.dense_bytes
             self.ledger.task_sent(out.device, out.device_bytes)
 
-    def _fanout(self, kind: Kind, tasks: dict[int, TaskSpec], devices: list[int], key: str) -> fanout.Fanout:
+    def _fanout(
+        self, kind: Kind, tasks: dict[int, TaskSpec], devices: list[int], key: str, number: int
+    ) -> fanout.Fanout:
         def envelope(k: Kind, body: Body) -> bytes:
-            return encode(
-                k, body, exp=self.experiment, round=self.round, sender=self.service, inc=self.incarnation
-            )
+            # no sender name: a task's bytes are a device's download, and the broker says who sent it
+            return encode(k, body, exp=self.experiment, round=number, sender="", inc=self.incarnation)
 
         return fanout.build(
             kind,
@@ -570,7 +612,7 @@ class Server(ServiceBase):
             devices,
             host_of=lambda dev: self.leases.table.host_of(dev) or "-",
             route=key_host,
-            task_key=lambda dev: task_key(key, self.round, dev),
+            task_key=lambda dev: task_key(key, number, dev),
             encode=envelope,
         )
 
@@ -643,6 +685,8 @@ class Server(ServiceBase):
         assert rs is not None
         merged = rs.merged if outcome == "completed" else None
         self.state = self.strategy.finalize(self.state, merged, rs.number)
+        for what, n in getattr(self.strategy, "robust_counts", {}).items():  # robust aggregation only
+            metrics.ROBUST_UPDATES.labels(self.experiment, self.algorithm, what).inc(n)
         participants = rs.participants() if merged is not None else []
         reported = self._participant_metrics(rs, participants)
         evaluation = self._round_evaluation(rs.number, reported)
@@ -682,7 +726,7 @@ class Server(ServiceBase):
         update (the aggregators' receipts name their sizes) — every message of the run but dead
         letters, which stay in their own queue."""
         server = self.bytes_published + self.bytes_consumed - rs.broker_mark
-        return server + sum(r.update_bytes for r in rs.receipts.values())
+        return server + sum(r.update_bytes + r.telemetry_bytes for r in rs.receipts.values())
 
     def _round_evaluation(self, round: int, reported: dict[str, float]) -> dict[str, float]:
         """Personalised algorithms: the participants' own test accuracy (each device evaluates its
@@ -759,7 +803,7 @@ class Server(ServiceBase):
         devices = self.leases.table.available()
         tasks = self.strategy.plan_evaluation(self.state, devices, self.registry)
         key = secrets.token_hex(16)
-        out = self._fanout(Kind.EVALUATE, tasks, devices, key)
+        out = self._fanout(Kind.EVALUATE, tasks, devices, key, self.round)
         unroutable = fanout.publish(out, self.publish_batch, Kind.EVALUATE)
         sent = [t for t in out.tasks if t.routing_key not in unroutable]
         for t in sent:
@@ -812,7 +856,10 @@ class Server(ServiceBase):
 
     def _save_checkpoint(self) -> None:
         ckpt = checkpoint.Checkpoint(self.round, self.state, self.ledger.to_checkpoint())
-        checkpoint.save(self.run_dir, ckpt)
+        try:
+            checkpoint.save(self.run_dir, ckpt)
+        except checkpoint.CheckpointError as err:  # the previous checkpoint stays the one to resume
+            self.log.error("%s", err, extra={"event": "checkpoint_refused"})
 
     def _resume(self) -> bool:
         ckpt = checkpoint.load(self.run_dir)

@@ -14,9 +14,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from shared.algorithms.base import Strategy, StrategyContext
-from shared.config import TrainConfig
+from shared.config import RobustConfig, TrainConfig
 
-_INFRA = {"base", "training", "device_state", "dynamic_pruning", "width_slicing"}
+_INFRA = {"base", "training", "device_state", "dynamic_pruning", "width_slicing", "robust"}
 
 
 def _discover() -> dict[str, type[Strategy]]:
@@ -63,4 +63,19 @@ def check_train(name: str, train: TrainConfig) -> None:
         )
 
 
-__all__ = ["REGISTRY", "Strategy", "StrategyContext", "check_train", "get", "parse_options"]
+def check_robust(name: str, robust: RobustConfig) -> None:
+    """Refuse a ``robust:`` option the algorithm cannot use, with the reason."""
+    from shared.algorithms import robust as robust_module
+
+    robust_module.check(get(name), robust)
+
+
+__all__ = [
+    "REGISTRY",
+    "Strategy",
+    "StrategyContext",
+    "check_robust",
+    "check_train",
+    "get",
+    "parse_options",
+]

@@ -23,7 +23,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 import numpy as np
 import torch
@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict
 
 from shared import codec
 from shared.algorithms.training import samples_per_task
-from shared.config import TrainConfig
+from shared.config import RobustConfig, TrainConfig
 from shared.devices import Optimizer, TrainingFootprint, training_flops, training_footprint
 from shared.models.state import load_arrays as load_arrays  # re-exported: strategies import it from here
 from shared.models.state import model_arrays as model_arrays
@@ -161,6 +161,8 @@ class StrategyContext:
     options: BaseModel
     #: optimizer whose state the memory accountant counts ("sgd", "sgd_momentum", "adam")
     optimizer: Optimizer = "sgd"
+    #: robust aggregation (``shared.algorithms.robust``); None or inactive: the algorithm's own mean
+    robust: RobustConfig | None = None
 
 
 class Strategy(ABC):
@@ -175,6 +177,13 @@ class Strategy(ABC):
     #: says. Algorithms with their own loop or their own notion of local work keep False, and a config
     #: with ``local_steps`` for them is refused (``algorithms.check_train``) rather than ignored.
     supports_local_steps: ClassVar[bool] = False
+    #: How robust aggregation (``shared.algorithms.robust``) can read this algorithm's partials:
+    #: ``whole`` — ``reduce`` folds one update into ``{name: n·x}`` plus the scalar ``weight`` n and
+    #: ``finalize`` divides (FedAvg); ``coordinate`` — per-coordinate ``sum/<name>`` = p·x and
+    #: ``count/<name>`` = p over the coordinates a device's sub-model holds, other keys summed (the
+    #: width-slice family); None — anything else (masks, thresholds, personal layers), which a
+    #: median, a trimmed mean or Krum cannot replace.
+    mean_form: ClassVar[Literal["whole", "coordinate"] | None] = None
 
     def __init__(self, ctx: StrategyContext) -> None:
         self.ctx = ctx

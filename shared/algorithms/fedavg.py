@@ -30,6 +30,7 @@ from shared.algorithms.training import evaluate, local_sgd
 class FedAvg(Strategy):
     name = "fedavg"
     supports_local_steps = True
+    mean_form = "whole"
 
     # -- server half -------------------------------------------------------------------------------
     def init_state(self) -> ServerState:

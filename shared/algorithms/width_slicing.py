@@ -68,6 +68,8 @@ class WidthSliceStrategy(Strategy):
     downloads_full: ClassVar[bool] = False
     #: every member trains its sub-model through ``local_sgd`` (FjORD with a per-step hook)
     supports_local_steps = True
+    #: holder means per coordinate: robust aggregation takes medians / trimmed means over the holders
+    mean_form = "coordinate"
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)

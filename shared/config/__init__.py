@@ -9,12 +9,13 @@ the closest valid key.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -23,7 +24,9 @@ class ConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # ``allow_inf_nan=False``: ``train.lr: .inf`` or ``quorum_fraction: .nan`` is a typo, never a
+    # setting — NaN passes every ``gt``/``le`` bound (all comparisons are false) and poisons a run.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class DatasetConfig(_Strict):
@@ -68,6 +71,24 @@ class DatasetConfig(_Strict):
     #: noise of a sample depends only on the experiment seed and the sample, so every algorithm and
     #: every service sees the same noisy data (Hermes' noisy digits variant uses 0.5)
     feature_noise_std: float = Field(0.0, ge=0)
+
+    @field_validator("name")
+    @classmethod
+    def _known_dataset(cls, name: str) -> str:
+        """An unknown dataset name is an error here, not only when the data is loaded.
+
+        Why: ``fedfleet validate --syntax-only`` (a config meant for a pod or another machine) never
+        loads the data, so a misspelt ``fashion_minst`` passed it and failed only on the cluster.
+        The names and aliases are the loader's own (``shared.data.datasets``), so the two cannot drift.
+        """
+        from shared.data.datasets import _ALIASES, DATASET_NAMES
+
+        key = name.strip().lower()
+        if _ALIASES.get(key, key) not in DATASET_NAMES:
+            hint = difflib.get_close_matches(key, DATASET_NAMES, n=1)
+            extra = f" (did you mean '{hint[0]}'?)" if hint else ""
+            raise ValueError(f"unknown dataset {name!r}{extra}; valid names: {', '.join(DATASET_NAMES)}")
+        return name
 
     @model_validator(mode="after")
     def _check_local_test(self) -> DatasetConfig:
@@ -185,6 +206,45 @@ class EmulationConfig(_Strict):
     round_deadline_s: float | None = Field(None, gt=0)
 
 
+class BoundsConfig(_Strict):
+    """Limits an update must meet before an aggregator merges it (see docs/security.md).
+
+    Non-finite values and a ``num_samples`` above what the device registered are always refused;
+    only the norm bound is a choice, because a sensible bound depends on the model.
+    """
+
+    #: bound on the L2 norm of an update's values as sent (over all its tensors); None: no bound
+    max_update_norm: float | None = Field(None, gt=0)
+    #: what an update above the bound gets: ``reject`` (dead letter ``update-norm``) or ``clip``
+    #: (scaled down to the bound; needs dense tensors, anything else is rejected)
+    on_norm_exceeded: Literal["reject", "clip"] = "reject"
+
+
+class RobustConfig(_Strict):
+    """Robust aggregation (``shared/algorithms/robust.py``), for algorithms whose aggregation is a
+    weighted mean (FedAvg; per coordinate, the width-slice family); ``fedfleet validate`` refuses it
+    for the others."""
+
+    #: ``mean``: the algorithm's own weighted mean; ``median``: coordinate-wise median;
+    #: ``trimmed_mean``: coordinate-wise mean without the ``trim_fraction`` largest and smallest;
+    #: ``krum`` / ``multi_krum``: the update(s) closest to their neighbours (Blanchard et al., 2017)
+    aggregation: Literal["mean", "median", "trimmed_mean", "krum", "multi_krum"] = "mean"
+    #: clip each update's change from the round's global model to this L2 norm first; None: no clipping
+    clip_norm: float | None = Field(None, gt=0)
+    #: fraction of the updates trimmed at each end of every coordinate (``trimmed_mean``); it must
+    #: cover the poisoned updates a round may hold, not only their share of the fleet
+    trim_fraction: float = Field(0.2, ge=0, lt=0.5)
+    #: updates Krum assumes may be Byzantine (its ``f``)
+    byzantine: int = Field(1, ge=0)
+    #: updates multi-Krum averages (its ``m``); None: all but ``byzantine``
+    multi_krum_keep: int | None = Field(None, ge=1)
+
+    @property
+    def active(self) -> bool:
+        """Whether the round needs the individual updates (anything but the plain mean)."""
+        return self.aggregation != "mean" or self.clip_norm is not None
+
+
 class ExperimentConfig(_Strict):
     """One experiment: everything a run needs, in one YAML file."""
 
@@ -215,6 +275,10 @@ class ExperimentConfig(_Strict):
     #: device fleet (profiles, budgets; see docs/fleets.md); None = the ``uniform`` preset
     fleet: dict[str, Any] | None = None
     emulation: EmulationConfig = Field(default_factory=EmulationConfig)
+    #: limits every update must meet before an aggregator merges it (docs/security.md)
+    bounds: BoundsConfig = Field(default_factory=BoundsConfig)
+    #: robust aggregation for weighted-mean algorithms (docs/security.md)
+    robust: RobustConfig = Field(default_factory=RobustConfig)
 
     @model_validator(mode="after")
     def _check_counts(self) -> ExperimentConfig:
@@ -254,9 +318,28 @@ def explain(err: ValidationError, source: str, model: type[BaseModel] = Experime
     return "\n".join(lines)
 
 
+def non_finite(data: Any, prefix: str = "") -> list[str]:
+    """Dotted keys holding ``inf`` or ``nan`` anywhere in a raw config, free-form parts included.
+
+    Why a walk and not only pydantic's ``allow_inf_nan``: ``fleet`` and ``algorithm.options`` are
+    free-form mappings validated later by their own code, and a NaN slips through any bound check.
+    """
+    if isinstance(data, dict):
+        return [k for key, v in data.items() for k in non_finite(v, f"{prefix}{key}.")]
+    if isinstance(data, list):
+        return [k for i, v in enumerate(data) for k in non_finite(v, f"{prefix}{i}.")]
+    if isinstance(data, float) and not math.isfinite(data):
+        return [prefix.rstrip(".")]
+    return []
+
+
 def parse_config(data: Any, source: str = "<config>") -> ExperimentConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of keys, got {type(data).__name__}")
+    if bad := non_finite(data):
+        raise ConfigError(
+            "\n".join(f"{source}: '{key}': must be a finite number, not inf or nan" for key in bad)
+        )
     try:
         return ExperimentConfig.model_validate(data)
     except ValidationError as err:
@@ -358,7 +441,7 @@ def dump_config(cfg: ExperimentConfig) -> str:
 class Settings(BaseSettings):
     """Process settings from the environment (deployment concerns, not experiment design)."""
 
-    model_config = SettingsConfigDict(env_prefix="FEDFLEET_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="FEDFLEET_", extra="ignore", allow_inf_nan=False)
 
     rabbitmq_url: str = Field(
         default="amqp://guest:guest@127.0.0.1:5672/%2F",

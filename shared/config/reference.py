@@ -21,12 +21,14 @@ from pydantic_core import PydanticUndefined
 
 from shared.config import (
     AlgorithmConfig,
+    BoundsConfig,
     DatasetConfig,
     EmulationConfig,
     ExperimentConfig,
     HostsConfig,
     ModelConfig,
     ProcessConfig,
+    RobustConfig,
     TrainConfig,
 )
 
@@ -39,6 +41,8 @@ SECTIONS: tuple[tuple[str, type[BaseModel]], ...] = (
     ("processes", ProcessConfig),
     ("hosts", HostsConfig),
     ("emulation", EmulationConfig),
+    ("bounds", BoundsConfig),
+    ("robust", RobustConfig),
 )
 
 _FIELD = re.compile(r"^(\s+)([A-Za-z_][A-Za-z0-9_]*)\s*:")

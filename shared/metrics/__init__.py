@@ -46,6 +46,13 @@ DEVICE_BYTES = Counter(
     "fedfleet_wire_bytes_total. direction: down, up, eval_down (evaluation tasks after the run).",
     ("experiment", "algorithm", "direction", "tier"),
 )
+TELEMETRY_BYTES = Counter(
+    "fedfleet_telemetry_bytes_total",
+    "Bytes of the metrics and timings that rode with the devices' updates over the broker. They are "
+    "the emulator's reporting, not what a real device would upload, so they are not in "
+    'fedfleet_device_bytes_total; fedfleet_wire_bytes_total{kind="update"} is the two together.',
+    ("experiment", "algorithm"),
+)
 DENSE_BYTES = Counter(
     "fedfleet_dense_bytes_total",
     "Dense-equivalent bytes of the tensors in published messages (float32 dense, no compression).",
@@ -188,6 +195,19 @@ HANDLER_ERRORS = Counter(
     "fedfleet_handler_errors_total",
     "Unexpected exceptions in a message handler (the message is dead-lettered, the service lives on).",
     ("experiment", "service", "kind"),
+)
+# -- bounded updates and robust aggregation ----------------------------------------------------------
+UPDATE_BOUNDS = Counter(
+    "fedfleet_update_bounds_total",
+    "Updates an aggregator found out of bounds, by what it did: nonfinite, num-samples, "
+    "update-norm (rejected) or clipped (scaled down to bounds.max_update_norm and merged).",
+    ("experiment", "algorithm", "outcome"),
+)
+ROBUST_UPDATES = Counter(
+    "fedfleet_robust_updates_total",
+    "Updates the server's robust aggregation handled, by what it did with them: clipped "
+    "(robust.clip_norm), excluded (left out by Krum / multi-Krum) or used.",
+    ("experiment", "algorithm", "outcome"),
 )
 
 

@@ -23,6 +23,8 @@ ROUND_COLUMNS = [
     "bytes_down",
     "dense_bytes_up",
     "dense_bytes_down",
+    "compression_ratio_up",
+    "compression_ratio_down",
     "broker_bytes",
     "cum_bytes_up",
     "cum_bytes_down",
@@ -38,6 +40,30 @@ ROUND_COLUMNS = [
     "train_flops",
     "train_loss",
 ]
+
+
+def compression_ratio(dense_bytes: float, wire_bytes: float) -> float | None:
+    """fedfleet's one definition of compression: dense-equivalent bytes / wire bytes.
+
+    Above 1, the payload encoding (sparse tensors, masks, index slices, thresholds) saved bytes; 1 is
+    no compression; below 1, the message headers outweigh any saving (dense FedAvg sits just under
+    1). Why one definition: ``summary.json`` once reported wire/dense while the dashboard showed
+    dense/wire under the same word, so a reader could not tell a saving from a cost. The same ratio,
+    under the name ``compression_ratio``, is in ``rounds.csv`` and ``summary.json``
+    (``compression_ratio_up`` / ``_down``), the Prometheus recording rule ``fedfleet:compression_ratio``
+    and the dashboard's "Compression ratio (dense-equivalent / wire)" panels. None when nothing
+    crossed the wire.
+    """
+    return dense_bytes / wire_bytes if wire_bytes else None
+
+
+def _with_compression(row: dict[str, Any]) -> dict[str, Any]:
+    """``row`` with its compression ratios (from its own byte counts, by the one definition)."""
+    out = dict(row)
+    for d in ("up", "down"):
+        if f"bytes_{d}" in row and f"dense_bytes_{d}" in row:
+            out[f"compression_ratio_{d}"] = compression_ratio(row[f"dense_bytes_{d}"], row[f"bytes_{d}"])
+    return out
 
 
 @dataclass
@@ -66,13 +92,14 @@ def _fmt(v: Any) -> Any:
 
 def write_rounds(run_dir: Path, rows: list[dict[str, Any]]) -> None:
     """The fixed columns, then any ``m_<metric>`` columns (device-reported metrics an algorithm adds)
-    and ``e_<metric>`` columns (extra numbers of the server-side evaluation)."""
+    and ``e_<metric>`` columns (extra numbers of the server-side evaluation). The compression ratios
+    are derived here from each row's bytes, so no caller can define them another way."""
     extra = sorted({k for row in rows for k in row if k.startswith(("m_", "e_"))})
     columns = ROUND_COLUMNS + extra
     with (run_dir / "rounds.csv").open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         w.writeheader()
-        for row in rows:
+        for row in map(_with_compression, rows):
             w.writerow({k: _fmt(row.get(k)) for k in columns})
 
 
@@ -86,6 +113,10 @@ def write_devices(run_dir: Path, devices: list[DeviceStats]) -> None:
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=False) + "\n")
+
+
+#: columns that stay floats when their value happens to be whole
+_FLOAT_COLUMNS = {"accuracy", "loss", "density", "compression_ratio_up", "compression_ratio_down"}
 
 
 def read_rounds(run_dir: Path) -> list[dict[str, Any]]:
@@ -103,9 +134,7 @@ def read_rounds(run_dir: Path) -> list[dict[str, Any]]:
                     parsed[k] = None
                 else:
                     num = float(v)
-                    parsed[k] = (
-                        int(num) if num.is_integer() and k not in ("accuracy", "loss", "density") else num
-                    )
+                    parsed[k] = int(num) if num.is_integer() and k not in _FLOAT_COLUMNS else num
             out.append(parsed)
     return out
 
@@ -120,13 +149,46 @@ def read_summary(run_dir: Path) -> dict[str, Any]:
     return data
 
 
-def plot_compare(runs: dict[str, list[dict[str, Any]]], out: Path) -> Path:
+#: one JSON object per message the run's dead-letter queue held at the end (``fedfleet run``)
+DEAD_LETTERS_FILE = "dead_letters.jsonl"
+
+
+def write_dead_letters(run_dir: Path, records: list[dict[str, Any]]) -> Path:
+    """``dead_letters.jsonl``: per dead letter its reason, detail, kind, sender and size in bytes.
+
+    Why a file: the broker's dead-letter queue outlives neither a ``make down`` nor a purge, and a
+    queue is not where a person looks for a run's results; the run directory is.
+    """
+    path = run_dir / DEAD_LETTERS_FILE
+    with path.open("w") as f:
+        for rec in records:
+            f.write(json.dumps(rec, sort_keys=True) + "\n")
+    return path
+
+
+def read_dead_letters(run_dir: Path) -> list[dict[str, Any]] | None:
+    """The exported dead letters (None: the run exported none, e.g. an in-process run)."""
+    path = run_dir / DEAD_LETTERS_FILE
+    if not path.exists():
+        return None
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_compare(
+    runs: dict[str, list[dict[str, Any]]],
+    out: Path,
+    *,
+    ylabel: str = "accuracy",
+    dashed: frozenset[str] = frozenset(),
+) -> Path:
     """One figure for several runs: accuracy vs round and accuracy vs cumulative wire bytes.
 
     Why: the question this tool answers is "what does each algorithm cost in bytes for the accuracy
     it reaches"; two runs' ``accuracy_vs_bytes.png`` side by side have different axes, one overlay
     does not. ``runs`` maps a label to its ``rounds.csv`` rows; the bytes axis is logarithmic because
-    algorithms differ by orders of magnitude (threshold-only vs dense models).
+    algorithms differ by orders of magnitude (threshold-only vs dense models). ``ylabel`` says what
+    the accuracy measured (global model or each device's own: the caller keeps the kinds apart);
+    the runs in ``dashed`` are drawn dashed (another kind of accuracy in the same figure).
     """
     import matplotlib
 
@@ -142,8 +204,9 @@ def plot_compare(runs: dict[str, list[dict[str, Any]]], out: Path) -> Path:
         plotted += 1
         acc = [r["accuracy"] for r in pts]
         cum = [max((r["cum_bytes_up"] + r["cum_bytes_down"]) / 1e6, 1e-6) for r in pts]
-        by_round.plot([r["round"] for r in pts], acc, marker="o", markersize=2, label=label)
-        by_bytes.plot(cum, acc, marker="o", markersize=2, label=label)
+        style = "--" if label in dashed else "-"
+        by_round.plot([r["round"] for r in pts], acc, style, marker="o", markersize=2, label=label)
+        by_bytes.plot(cum, acc, style, marker="o", markersize=2, label=label)
     if not plotted:
         plt.close(fig)
         raise ValueError("none of the runs has an accuracy to plot")
@@ -151,7 +214,7 @@ def plot_compare(runs: dict[str, list[dict[str, Any]]], out: Path) -> Path:
     by_bytes.set_xlabel("cumulative wire bytes, up + down (MB, log scale)")
     by_bytes.set_xscale("log")
     for ax in (by_round, by_bytes):
-        ax.set_ylabel("accuracy")
+        ax.set_ylabel(ylabel)
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)
     by_bytes.legend(fontsize=8, loc="lower right")

@@ -15,19 +15,22 @@ from __future__ import annotations
 import hashlib
 import hmac
 import math
-import uuid
+from collections.abc import Mapping
 from enum import StrEnum
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from shared import codec
+from shared.codec import tensorset
 
 #: Bump when a message changes incompatibly; receivers dead-letter other versions.
 #: 2: client processes are hosts that lease devices (``heartbeat``, ``lease``, ``device_state``
 #: replace ``register``). 3: the body travels as bytes with a MAC over them (``task_key``), tasks
 #: carry a per-task key instead of a token; ``join`` asks for a host's own broker user.
-SCHEMA_VERSION = 3
+#: 4: lean envelope — the envelope and bodies are msgpack arrays, tensors travel as one tensor set
+#: per message (layout by digest once known), an update's metrics and timings as telemetry.
+SCHEMA_VERSION = 4
 
 
 class Kind(StrEnum):
@@ -198,6 +201,8 @@ class RoundOpen(_Body):
     #: the host serving each selected device (same order as ``selected``): an update is accepted only
     #: from that host's broker user
     holders: list[str] = Field(default_factory=list)
+    #: the tensor-set layouts of the round's payloads: a device's update may name one by its digest
+    layouts: list[list[Any]] = Field(default_factory=list, max_length=1024)
 
     def holder(self) -> dict[int, str]:
         return dict(zip(self.selected, self.holders, strict=False))
@@ -207,15 +212,16 @@ class Payload(_Body):
     """Server → a host: what several of the round's tasks share (the global model, a tier's
     sub-model), once per host instead of once per device. Tasks refer to it by ``digest``."""
 
-    #: SHA-256 (first 16 bytes) of the packed ``tensors``: content-addressed, so a copy is a copy
-    digest: bytes = Field(min_length=16, max_length=16)
+    #: SHA-256 (first 8 bytes) of the packed ``tensors``: content-addressed, so a copy is a copy
+    #: (64 bits: a round has a handful of payloads, so a collision is not a practical concern)
+    digest: bytes = Field(min_length=8, max_length=8)
     tensors: dict[str, EncodedTensor] = Field(default_factory=dict)
 
 
 class Fetch(_Body):
     """Host → server: send me payload ``digest`` again (a cache miss, e.g. after a restart)."""
 
-    digest: bytes = Field(min_length=16, max_length=16)
+    digest: bytes = Field(min_length=8, max_length=8)
 
 
 class Task(_Body):
@@ -229,10 +235,10 @@ class Task(_Body):
     payload: bytes = b""
     payload_bytes: int = Field(0, ge=0)
     config: dict[str, Any] = Field(default_factory=dict)
-    #: this device's key for this round (:func:`task_key`, hex): what it sends back carries a MAC
-    #: made with it. Only the device's host can read its tasks; the round key never leaves the
+    #: this device's key for this round (:func:`task_key`, raw bytes): what it sends back carries a
+    #: MAC made with it. Only the device's host can read its tasks; the round key never leaves the
     #: server and the aggregators.
-    key: str = ""
+    key: bytes = Field(b"", max_length=32)
 
 
 class Update(_Body):
@@ -253,11 +259,17 @@ class Receipt(_Body):
 
     device_id: int = Field(ge=0)
     aggregator_id: str
+    #: what the device uploaded (the update without its telemetry)
     update_bytes: int = Field(ge=0)
     dense_bytes: int = Field(ge=0)
     num_samples: int = Field(ge=0)
     metrics: Metrics = Field(default_factory=dict)
     timings: Timings = Field(default_factory=Timings)
+    #: what the update's telemetry added on the broker (its metrics and timings)
+    telemetry_bytes: int = Field(0, ge=0)
+    #: non-empty: the update was out of bounds and dead-lettered with this reason, so the server
+    #: counts the device as answered (refused) instead of waiting for it until the deadline
+    refused: str = Field("", max_length=64)
 
 
 class Reject(_Body):
@@ -372,30 +384,55 @@ class Envelope(BaseModel):
     """What every message on the wire looks like: routing facts, then the body as bytes.
 
     Why bytes: a MAC (``mac``) must cover exactly what was sent, and a map re-encoded after decoding
-    need not reproduce the same bytes. ``sender`` is the sender's word for itself, for logs only; who
-    really sent a message is the broker-validated ``user_id`` of the delivery.
+    need not reproduce the same bytes. ``sender`` is the sender's word for itself, for logs only
+    (empty on a device's messages: the device id is in the body); who really sent a message is the
+    broker-validated ``user_id`` of the delivery.
+
+    On the wire (version 4) this is a msgpack *array*, not a map — field names cost more than most
+    fields — see :func:`encode`. ``exp`` is not sent: a 32-bit tag of it is (``exp_tag``), and the
+    receiver, which knows its experiment, checks the tag and fills ``exp`` in.
     """
 
     model_config = ConfigDict(extra="forbid")
 
     v: int
     kind: Kind
-    exp: str
+    exp: str = ""
+    exp_tag: int = 0
     inc: str = ""
     round: int = Field(ge=0)
-    sender: str
-    id: str
+    sender: str = ""
     body: bytes
     #: HMAC-SHA256 (128 bits) of the message under the device's task key; empty when not a device's
     mac: bytes = b""
+    #: metrics and timings a device reports with its update, packed apart from the body: they are
+    #: not what a real device's upload would carry, so they are not counted as the device's bytes
+    telemetry: bytes = b""
+    #: layouts of tensor sets that came inline (a receiver learns them from the server only)
+    _layouts: list[tensorset.Layout] = PrivateAttr(default_factory=list)
+
+    @property
+    def layouts(self) -> list[tensorset.Layout]:
+        return self._layouts
+
+    @property
+    def telemetry_bytes(self) -> int:
+        """What the telemetry adds to the message (its bin framing included)."""
+        return len(self.telemetry) + _bin_framing(len(self.telemetry)) if self.telemetry else 0
+
+
+def _bin_framing(n: int) -> int:
+    return 2 if n < 1 << 8 else 3 if n < 1 << 16 else 5
 
 
 class DecodeError(ValueError):
     """A message that cannot be used; ``reason`` is the dead-letter counter label."""
 
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, reason: str, message: str, env: Envelope | None = None) -> None:
         super().__init__(message)
         self.reason = reason
+        #: the envelope, when only the body failed (e.g. an unknown layout: the receiver may wait)
+        self.env = env
 
 
 def task_key(round_key: str, round: int, device_id: int) -> str:
@@ -413,16 +450,94 @@ def task_key(round_key: str, round: int, device_id: int) -> str:
     return hmac.new(bytes.fromhex(round_key), msg, hashlib.sha256).hexdigest()[:32]
 
 
-def _mac(key: str, kind: Kind, exp: str, round: int, inc: str, body: bytes) -> bytes:
-    head = f"{kind.value}|{exp}|{round}|{inc}|".encode()
-    return hmac.new(bytes.fromhex(key), head + body, hashlib.sha256).digest()[:16]
+def exp_tag(exp: str) -> int:
+    """The 32-bit tag of an experiment id that travels instead of the id (``Envelope.exp_tag``)."""
+    return int.from_bytes(hashlib.sha256(exp.encode()).digest()[:4], "big")
+
+
+def _mac(key: str, v: int, kind: Kind, exp: str, round: int, inc: str, body: bytes, tel: bytes) -> bytes:
+    if v == 3:  # the previous version's MAC input (it had no telemetry)
+        head = f"{kind.value}|{exp}|{round}|{inc}|".encode()
+    else:
+        head = f"{v}|{kind.value}|{exp}|{round}|{inc}|{len(body)}|".encode()
+    return hmac.new(bytes.fromhex(key), head + body + tel, hashlib.sha256).digest()[:16]
 
 
 def verify(env: Envelope, key: str) -> bool:
-    """Whether ``env`` carries the MAC of its own bytes under ``key`` (constant time)."""
+    """Whether ``env`` carries the MAC of its own bytes under ``key`` (constant time).
+
+    The MAC covers the full experiment id (not only its tag), the round, the incarnation, the body
+    and the telemetry: a copy moved to another round or altered anywhere fails.
+    """
     if not key or len(env.mac) != 16:
         return False
-    return hmac.compare_digest(_mac(key, env.kind, env.exp, env.round, env.inc, env.body), env.mac)
+    want = _mac(key, env.v, env.kind, env.exp, env.round, env.inc, env.body, env.telemetry)
+    return hmac.compare_digest(want, env.mac)
+
+
+# -- the positional body encoding -----------------------------------------------------------------
+#: fields holding a message's named tensors: they travel as one compact tensor set
+#: (:mod:`shared.codec.tensorset`)
+TENSOR_FIELDS = frozenset({"tensors"})
+#: per kind, fields that travel as telemetry (apart from the body; see ``Envelope.telemetry``)
+TELEMETRY: dict[Kind, tuple[str, ...]] = {Kind.UPDATE: ("metrics", "task_bytes", "timings")}
+#: the wire code of each kind: its position here. Append new kinds at the end; never reorder.
+KIND_CODES: dict[Kind, int] = {k: i for i, k in enumerate(Kind)}
+_KINDS_BY_CODE: dict[int, Kind] = {i: k for k, i in KIND_CODES.items()}
+
+
+def _nested(annotation: Any) -> type[_Body] | None:
+    return annotation if isinstance(annotation, type) and issubclass(annotation, _Body) else None
+
+
+def _positional(model: _Body, names: tuple[str, ...], known: Mapping[bytes, Any] | None) -> list[Any]:
+    """Field values in declaration order, trailing defaults left out (the receiver fills them)."""
+    fields = type(model).model_fields
+    out: list[Any] = []
+    for name in names:
+        value = getattr(model, name)
+        if name in TENSOR_FIELDS:
+            value = tensorset.to_wire(value, known) if value else None
+        elif isinstance(value, _Body):
+            value = _positional(value, tuple(type(value).model_fields), known)
+        out.append(value)
+    while out and names[len(out) - 1] in fields and _is_default(model, names[len(out) - 1]):
+        out.pop()
+    return out
+
+
+def _is_default(model: _Body, name: str) -> bool:
+    info = type(model).model_fields[name]
+    if info.is_required():
+        return False
+    return bool(getattr(model, name) == info.get_default(call_default_factory=True))
+
+
+def _from_positional(
+    cls: type[_Body], names: tuple[str, ...], values: Any, layouts: Mapping[bytes, Any], seen: list[Any]
+) -> dict[str, Any]:
+    if not isinstance(values, list) or len(values) > len(names):
+        raise codec.CodecError("malformed", f"{cls.__name__}: expected a list of at most {len(names)} fields")
+    out: dict[str, Any] = {}
+    for name, value in zip(names, values, strict=False):
+        if name in TENSOR_FIELDS:
+            if value is None:
+                value = {}
+            else:
+                value, inline = tensorset.unpack(value, layouts)
+                if inline is not None:
+                    seen.append(inline)
+        else:
+            sub = _nested(cls.model_fields[name].annotation)
+            if sub is not None and isinstance(value, list):
+                value = _from_positional(sub, tuple(sub.model_fields), value, layouts, seen)
+        out[name] = value
+    return out
+
+
+def _body_fields(kind: Kind) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    tel = TELEMETRY.get(kind, ())
+    return tuple(n for n in BODY_MODELS[kind].model_fields if n not in tel), tel
 
 
 def encode(
@@ -433,54 +548,129 @@ def encode(
     round: int,
     sender: str,
     inc: str = "",
-    msg_id: str | None = None,
     key: str = "",
+    known: Mapping[bytes, Any] | None = None,
 ) -> bytes:
     """Serialize one message; with ``key`` (a device's task key) it carries a MAC of its bytes.
 
-    ``model_dump`` keeps bytes/memoryview tensor buffers as they are.
+    Wire form (version 4), one msgpack array::
+
+        [v, kind code, exp tag, inc (bin), round, sender, body (bin), mac (bin), telemetry (bin)]
+
+    trailing empty fields left out. The body is itself an array of the body model's fields in
+    declaration order (trailing defaults left out); a ``tensors`` field is a tensor set whose layout
+    goes as a digest, or as references into a layout, that ``known`` (digest → layout) holds.
+
+    Why: at small scale the envelope, not the model, was most of a message (a SpaFL update carried
+    592 bytes beside 232 bytes of thresholds); this keeps a device's message within about 64 bytes
+    of its tensors' information (``benchmarks/bench_envelope.py`` measures it).
     """
     if not isinstance(body, BODY_MODELS[kind]):
         raise TypeError(f"{kind} needs a {BODY_MODELS[kind].__name__}, got {type(body).__name__}")
-    packed = codec.packb(body.model_dump())
-    env: dict[str, Any] = {
-        "v": SCHEMA_VERSION,
-        "kind": kind.value,
-        "exp": exp,
-        "inc": inc,
-        "round": round,
-        "sender": sender,
-        "id": msg_id or uuid.uuid4().hex,
-        "body": packed,
-    }
-    if key:
-        env["mac"] = _mac(key, kind, exp, round, inc, packed)
+    names, tel_names = _body_fields(kind)
+    packed = codec.packb(_positional(body, names, known))
+    tel_values = _positional(body, tel_names, known) if tel_names else []
+    tel = codec.packb(tel_values) if tel_values else b""
+    inc_b = bytes.fromhex(inc)
+    env: list[Any] = [SCHEMA_VERSION, KIND_CODES[kind], exp_tag(exp), inc_b, round, sender, packed]
+    env.append(_mac(key, SCHEMA_VERSION, kind, exp, round, inc, packed, tel) if key else b"")
+    env.append(tel)
+    while env[-1] == b"":
+        env.pop()
     return codec.packb(env)
 
 
-def decode(data: bytes, *, max_bytes: int) -> tuple[Envelope, Any]:
-    """Parse and validate one message; raises ``DecodeError`` with a dead-letter reason."""
+def decode(
+    data: bytes, *, max_bytes: int, exp: str | None = None, layouts: Mapping[bytes, Any] | None = None
+) -> tuple[Envelope, Any]:
+    """Parse and validate one message; raises ``DecodeError`` with a dead-letter reason.
+
+    ``exp``: the receiver's experiment (a message of another is refused, ``unknown-experiment``);
+    ``layouts``: the tensor-set layouts the receiver knows (``shared.codec.tensorset``). This build
+    reads versions :data:`ACCEPTED_VERSIONS` (docs/wire.md, "Versions on the wire").
+    """
     try:
         raw = codec.unpackb(data, max_bytes=max_bytes)
     except codec.CodecError as err:
         raise DecodeError(err.reason, str(err)) from None
-    try:
-        env = Envelope.model_validate(raw)
-    except ValidationError as err:
-        raise DecodeError("schema", f"envelope: {_short(err)}") from None
-    if env.v != SCHEMA_VERSION:
-        raise DecodeError(
-            "schema", f"schema version {env.v} not supported (this build speaks {SCHEMA_VERSION})"
-        )
+    env = _envelope(raw)
+    if exp is not None:
+        if env.exp_tag != exp_tag(exp) or (env.v == 3 and env.exp != exp):
+            shown = env.exp or f"tag {env.exp_tag:08x}"
+            raise DecodeError("unknown-experiment", f"experiment {shown} is not {exp!r}", env)
+        env.exp = exp
     try:
         fields = codec.unpackb(env.body, max_bytes=max_bytes)
+        if env.v == 3:
+            values = fields
+        else:
+            names, tel_names = _body_fields(env.kind)
+            cls = BODY_MODELS[env.kind]
+            values = _from_positional(cls, names, fields, layouts or {}, env.layouts)
+            if tel_names and env.telemetry:
+                tel = codec.unpackb(env.telemetry, max_bytes=max_bytes)
+                values.update(_from_positional(cls, tel_names, tel, layouts or {}, env.layouts))
     except codec.CodecError as err:
-        raise DecodeError(err.reason, f"{env.kind.value} body: {err}") from None
+        raise DecodeError(err.reason, f"{env.kind.value} body: {err}", env) from None
     try:
-        body = BODY_MODELS[env.kind].model_validate(fields)
+        body = BODY_MODELS[env.kind].model_validate(values)
     except ValidationError as err:
-        raise DecodeError("schema", f"{env.kind.value} body: {_short(err)}") from None
+        raise DecodeError("schema", f"{env.kind.value} body: {_short(err)}", env) from None
     return env, body
+
+
+#: the versions this build reads: its own and the one before (a rolling upgrade's mixed fleet)
+ACCEPTED_VERSIONS = (3, SCHEMA_VERSION)
+
+
+def _envelope(raw: Any) -> Envelope:
+    version = raw.get("v") if isinstance(raw, dict) else raw[0] if isinstance(raw, list) and raw else None
+    if version not in ACCEPTED_VERSIONS:
+        newer = isinstance(version, int) and version > SCHEMA_VERSION
+        raise DecodeError(
+            "schema",
+            f"schema version {version!r} not supported (this build reads "
+            f"{', '.join(map(str, ACCEPTED_VERSIONS))}){'; upgrade this service' if newer else ''}",
+        )
+    try:
+        if version == 3:  # the previous version: a map, the experiment id in full, a message id
+            if isinstance(raw, dict):
+                raw.pop("id", None)
+                raw["exp_tag"] = exp_tag(raw["exp"]) if isinstance(raw.get("exp"), str) else -1
+            return Envelope.model_validate(raw)
+        if not isinstance(raw, list) or not 7 <= len(raw) <= 9:
+            raise DecodeError("schema", "envelope: expected an array of 7 to 9 fields")
+        v, code, tag, inc, rnd, sender, body, *rest = raw
+        kind = _KINDS_BY_CODE.get(code) if type(code) is int else None
+        if kind is None:
+            raise DecodeError("schema", f"envelope: unknown message kind {code!r}")
+        if not isinstance(inc, bytes) or len(inc) > 32:
+            raise DecodeError("schema", "envelope: the incarnation must be a short bin")
+        return Envelope.model_validate(
+            {
+                "v": v,
+                "kind": kind,
+                "exp_tag": tag,
+                "inc": inc.hex(),
+                "round": rnd,
+                "sender": sender,
+                "body": body,
+                "mac": rest[0] if rest else b"",
+                "telemetry": rest[1] if len(rest) > 1 else b"",
+            }
+        )
+    except ValidationError as err:
+        raise DecodeError("schema", f"envelope: {_short(err)}") from None
+
+
+def message_parts(data: bytes) -> Envelope:
+    """The envelope of an encoded message, body not decoded (sizes, kind: for accounting)."""
+    return _envelope(codec.unpackb(data, max_bytes=len(data) + 1))
+
+
+def device_bytes(data: bytes) -> int:
+    """What a message costs the emulated device that sends it: all of it but its telemetry."""
+    return len(data) - message_parts(data).telemetry_bytes
 
 
 def _short(err: ValidationError) -> str:

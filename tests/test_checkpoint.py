@@ -1,0 +1,259 @@
+"""Checkpoints you can trust, and configs without inf or nan.
+
+A checkpoint that is missing, truncated, corrupt or holds NaN must never be resumed: the server
+falls back to the previous one with a warning, or — when none is usable — stops with one clear
+error, never a traceback. A save is verified before it replaces anything, and a NaN state is never
+saved. Config values such as ``train.lr: .inf`` are refused wherever they appear.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from services.orchestrator import InprocCluster
+from services.server import checkpoint
+from services.server.checkpoint import Checkpoint, CheckpointError
+from shared.algorithms.base import ServerState
+from shared.config import BoundsConfig, ConfigError, RobustConfig, TrainConfig, load_config
+from shared.experiment import Experiment
+from tests.conftest import write_config
+
+
+def _ckpt(round: int, value: float = 1.0) -> Checkpoint:
+    arrays: dict[str, np.ndarray] = {
+        "w": np.full((3, 4), value * round, dtype=np.float32),
+        "steps": np.array([round], np.int64),
+    }
+    return Checkpoint(round, ServerState(arrays, {"round_seen": round}), {"rows": [round]})
+
+
+def _two_saved(run: Path) -> None:
+    checkpoint.save(run, _ckpt(1))
+    checkpoint.save(run, _ckpt(2))
+
+
+def _fallback_warning(caplog: pytest.LogCaptureFixture) -> str:
+    events = [r for r in caplog.records if getattr(r, "event", "") == "checkpoint_fallback"]
+    assert len(events) == 1, [r.getMessage() for r in caplog.records]
+    return events[0].getMessage()
+
+
+def test_a_save_keeps_the_previous_checkpoint_and_round_trips(tmp_path: Path) -> None:
+    _two_saved(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint", "checkpoint.old"]
+    for name in ("state.npz", "state.json", "checksums.json"):
+        assert (tmp_path / "checkpoint" / name).exists()
+    got = checkpoint.load(tmp_path)
+    assert got is not None and got.round == 2
+    np.testing.assert_array_equal(got.state.arrays["w"], _ckpt(2).state.arrays["w"])
+    assert got.state.arrays["steps"].dtype == np.int64
+    assert got.state.meta == {"round_seen": 2} and got.ledger == {"rows": [2]}
+    checkpoint.save(tmp_path, _ckpt(3))  # one generation back: round 1 is gone, round 2 kept
+    previous = json.loads((tmp_path / "checkpoint.old" / "state.json").read_text())
+    assert previous["round"] == 2
+
+
+def test_no_checkpoint_is_a_new_run(tmp_path: Path) -> None:
+    assert checkpoint.load(tmp_path) is None
+    (tmp_path / "checkpoint.tmp").mkdir()  # an unfinished save is never trusted
+    (tmp_path / "checkpoint.tmp" / "state.json").write_text('{"round": 3, "sta')
+    assert checkpoint.load(tmp_path) is None
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _write_nan_latest(run: Path) -> None:
+    """A latest checkpoint whose files and checksums agree, but whose model is NaN (what a bug or a
+    poisoned round could have produced before bounds existed)."""
+    latest = run / "checkpoint"
+    with np.load(latest / "state.npz") as z:
+        arrays = {k: z[k] for k in z.files}
+    arrays["w"][0, 0] = np.nan
+    np.savez(latest / "state.npz", **arrays)
+    sums = {n: checkpoint._sha256(latest / n) for n in ("state.npz", "state.json")}
+    (latest / "checksums.json").write_text(json.dumps(sums))
+
+
+@pytest.mark.parametrize(
+    ("damage", "why"),
+    [
+        (lambda run: _truncate(run / "checkpoint" / "state.npz"), "does not match its checksum"),
+        (lambda run: _flip_a_byte(run / "checkpoint" / "state.npz"), "does not match its checksum"),
+        (lambda run: _truncate(run / "checkpoint" / "state.json"), "does not match its checksum"),
+        (lambda run: (run / "checkpoint" / "state.npz").unlink(), "state.npz missing"),
+        (lambda run: (run / "checkpoint" / "checksums.json").unlink(), "unreadable"),  # + truncation below
+        (_write_nan_latest, "non-finite values in ['w']"),
+        (lambda run: __import__("shutil").rmtree(run / "checkpoint"), "missing"),
+    ],
+    ids=[
+        "truncated-npz",
+        "flipped-byte",
+        "truncated-json",
+        "npz-missing",
+        "sums-missing",
+        "nan",
+        "dir-missing",
+    ],
+)
+def test_an_unusable_latest_falls_back_to_the_previous_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: Any, why: str
+) -> None:
+    _two_saved(tmp_path)
+    damage(tmp_path)
+    if why == "unreadable":  # without checksums the file is read unverified: it must still be whole
+        _truncate(tmp_path / "checkpoint" / "state.npz")
+    with caplog.at_level(logging.WARNING, logger="fedfleet.server"):
+        got = checkpoint.load(tmp_path)
+    assert got is not None and got.round == 1
+    np.testing.assert_array_equal(got.state.arrays["w"], _ckpt(1).state.arrays["w"])
+    assert why in _fallback_warning(caplog)
+    # the previous one is now the latest, so the next save cannot delete the only good checkpoint
+    assert (tmp_path / "checkpoint" / "state.json").exists() and not (tmp_path / "checkpoint.old").exists()
+    checkpoint.save(tmp_path, _ckpt(2))
+    again = checkpoint.load(tmp_path)
+    assert again is not None and again.round == 2
+    assert (checkpoint.load(tmp_path / "nothing")) is None
+
+
+@pytest.mark.parametrize("previous", ["truncated", "missing", "nan"])
+def test_no_usable_checkpoint_is_one_clear_error(tmp_path: Path, previous: str) -> None:
+    _two_saved(tmp_path)
+    _truncate(tmp_path / "checkpoint" / "state.npz")
+    old = tmp_path / "checkpoint.old"
+    if previous == "truncated":
+        _truncate(old / "state.npz")
+    elif previous == "missing":
+        __import__("shutil").rmtree(old)
+    else:
+        (old / "checksums.json").unlink()
+        np.savez(old / "state.npz", w=np.full((3, 4), np.inf, np.float32))
+    with pytest.raises(CheckpointError) as err:
+        checkpoint.load(tmp_path)
+    text = str(err.value)
+    assert "no usable checkpoint" in text and "checkpoint/ is state.npz does not match its checksum" in text
+    assert {"truncated": "checksum", "missing": "is missing", "nan": "non-finite"}[previous] in text
+    assert "--run-id" in text  # and what to do about it
+    assert (tmp_path / "checkpoint").exists()  # nothing is deleted on the way
+
+
+def test_a_non_finite_state_is_never_checkpointed(tmp_path: Path) -> None:
+    checkpoint.save(tmp_path, _ckpt(1))
+    with pytest.raises(CheckpointError, match="non-finite values in \\['w'\\]"):
+        checkpoint.save(tmp_path, _ckpt(2, value=np.nan))
+    with pytest.raises(CheckpointError, match="non-finite metadata"):
+        checkpoint.save(tmp_path, Checkpoint(2, _ckpt(2).state, {"accuracy": float("inf")}))
+    got = checkpoint.load(tmp_path)
+    assert got is not None and got.round == 1
+    assert (
+        not (tmp_path / "checkpoint.tmp").exists()
+        or not (tmp_path / "checkpoint.tmp/checksums.json").exists()
+    )
+
+
+def test_a_server_resumes_from_the_previous_checkpoint_and_ends_like_an_uninterrupted_run(
+    tmp_path: Path,
+) -> None:
+    """A truncated latest checkpoint: the restarted server takes the previous one, runs the lost round
+    again with the same seeds, and the run ends with the model of a run that was never interrupted."""
+    cfg = write_config(tmp_path / "c.yaml", rounds=3)
+
+    def cluster(run: Path, name: str) -> InprocCluster:
+        run.mkdir(exist_ok=True)
+        exp = Experiment.build(load_config(cfg))
+        return InprocCluster(exp, run, name, aggregators=2, clients=1, state_dir=run / "state")
+
+    clean = cluster(tmp_path / "a", "clean")
+    assert clean.run(max_steps=200_000) == 0
+    run = tmp_path / "b"
+    killed = cluster(run, "killed")
+    killed.run(until=lambda: len(killed.server.rows) == 2, max_steps=200_000)
+    killed.close()
+    _truncate(run / "checkpoint" / "state.npz")
+    again = cluster(run, "killed")
+    assert again.server.resumed and again.server.round == 1
+    assert again.run(max_steps=200_000) == 0
+    assert [r["round"] for r in again.server.rows] == [1, 2, 3]
+    for name, arr in clean.server.state.arrays.items():
+        np.testing.assert_allclose(again.server.state.arrays[name], arr, atol=1e-6, rtol=0)
+
+
+def test_fedfleet_says_why_it_cannot_resume_without_a_traceback(tmp_path: Path) -> None:
+    cfg = write_config(tmp_path / "c.yaml", rounds=2)
+    run = tmp_path / "runs" / "broken"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(yaml.safe_dump(load_config(cfg).model_dump(mode="json")))
+    _two_saved(run)
+    _truncate(run / "checkpoint" / "state.npz")
+    _truncate(run / "checkpoint.old" / "state.npz")
+    argv = ["run", str(cfg), "--transport", "inproc", "--run-id", "broken", "--runs-dir", str(run.parent)]
+    out = subprocess.run(
+        [sys.executable, "-m", "services.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    text = out.stdout + out.stderr
+    assert out.returncode == 2, text
+    assert "cannot resume" in text and "no usable checkpoint" in text, text
+    assert "Traceback" not in text, text
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ({"train": {"lr": float("inf")}}, "train.lr"),
+        ({"quorum_fraction": float("nan")}, "quorum_fraction"),
+        ({"round_timeout_s": float("inf")}, "round_timeout_s"),
+        ({"algorithm": {"name": "fedavg", "options": {"x": float("nan")}}}, "algorithm.options.x"),
+        ({"fleet": {"preset": "uniform", "memory_mb": float("-inf")}}, "fleet.memory_mb"),
+        ({"bounds": {"max_update_norm": float("inf")}}, "bounds.max_update_norm"),
+        ({"robust": {"clip_norm": float("nan")}}, "robust.clip_norm"),
+    ],
+)
+def test_inf_and_nan_are_refused_everywhere_in_a_config(tmp_path: Path, override: Any, key: str) -> None:
+    path = write_config(tmp_path / "c.yaml", **override)
+    assert ".inf" in path.read_text() or ".nan" in path.read_text()  # what a user would type
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert f"'{key}': must be a finite number" in str(err.value)
+    # the models refuse them too when built from Python rather than from a YAML file
+    section, _, field = key.partition(".")
+    models: dict[str, type[BaseModel]] = {
+        "train": TrainConfig,
+        "bounds": BoundsConfig,
+        "robust": RobustConfig,
+    }
+    if section in models:
+        with pytest.raises(ValidationError, match="finite number"):
+            models[section].model_validate({field: float("inf")})
+
+
+def test_inf_in_the_environment_settings_is_one_clear_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from services.cli import _settings
+
+    monkeypatch.setenv("FEDFLEET_LINGER_S", "inf")
+    with pytest.raises(SystemExit) as exit_:
+        _settings()
+    assert exit_.value.code == 2
+    assert "environment: 'linger_s': Input should be a finite number" in capsys.readouterr().err
