@@ -4,8 +4,11 @@
 #   make image                 build the one image of all services (docker)
 #   make kind-load             load it into a kind cluster   (KIND_CLUSTER=fedfleet)
 #   make k3d-import            import it into a k3d cluster  (K3D_CLUSTER=fedfleet)
-#   make up [OVERLAY=dev]      create secrets if missing, apply k8s/overlays/$(OVERLAY), wait until ready
-#   make scale CLIENTS=n       set the number of client pods (each hosts DEVICES_PER_CLIENT devices)
+#   make up [OVERLAY=dev]      create secrets if missing, apply k8s/overlays/$(OVERLAY), follow the run
+#                              until it is done (exit 0) or failed (exit 1, with the reason)
+#   make wait                  follow the deployed run again (after Ctrl-C)
+#   make scale CLIENTS=n       set the number of client hosts (n >= 1; the server leases them devices)
+#   make results [RUN=id]      copy runs/<id>/ out of the cluster (default: the deployed experiment)
 #   make status | logs [COMPONENT=client] [FOLLOW=1] | dashboard | down
 #   make k8s-render [OVERLAY=dev]   print the manifests;   make k8s-generate   regenerate derived files
 #
@@ -35,8 +38,10 @@ K8S_RENDER = set -e; tmp=$$(mktemp); trap 'rm -f "$$tmp"' EXIT; \
 	$(KUBECTL) kustomize $(K8S_OVERLAY_DIR) > "$$tmp"; \
 	sed -e 's|image: fedfleet:dev$$|image: $(IMAGE)|' "$$tmp"
 K8S_NS = $(KUBECTL) -n $(NAMESPACE)
+K8S_LIFECYCLE = KUBECTL="$(KUBECTL)" NAMESPACE="$(NAMESPACE)" IMAGE="$(IMAGE)" K8S_TIMEOUT="$(K8S_TIMEOUT)" \
+	sh $(K8S_MK_DIR)/k8s/lifecycle.sh
 
-.PHONY: image kind-load k3d-import up scale status logs dashboard down secrets k8s-render k8s-generate \
+.PHONY: image kind-load k3d-import up wait results scale status logs dashboard down secrets k8s-render k8s-generate \
         k8s-check-kubectl k8s-check-context k8s-check-overlay
 
 k8s-check-kubectl:
@@ -82,7 +87,7 @@ secrets: k8s-check-context
 	else \
 	  $(K8S_NS) create secret generic rabbitmq-credentials \
 	    --from-literal=admin-password="$$(gen)" --from-literal=server-password="$$(gen)" \
-	    --from-literal=aggregator-password="$$(gen)" --from-literal=client-password="$$(gen)" >/dev/null && \
+	    --from-literal=aggregator-password="$$(gen)" --from-literal=join-password="$$(gen)" >/dev/null && \
 	  $(K8S_NS) label secret rabbitmq-credentials app.kubernetes.io/part-of=fedfleet >/dev/null && \
 	  echo "created secret rabbitmq-credentials (random passwords, one per broker user)"; \
 	fi; \
@@ -94,29 +99,30 @@ secrets: k8s-check-context
 	  echo "created secret grafana-admin (random password)"; \
 	fi
 
+# An experiment is a run to completion: the server and aggregators are Jobs, the clients a Deployment
+# of hosts (docs/kubernetes.md, "Lifecycle"). `up` deletes a finished run's Jobs first, so the next
+# experiment starts without `make down`; it refuses while a run is still going.
 up: k8s-check-context k8s-check-overlay secrets
+	@$(K8S_LIFECYCLE) prepare
 	@echo "applying overlay $(OVERLAY) with image $(IMAGE) to namespace $(NAMESPACE)"
 	@$(K8S_RENDER) | $(KUBECTL) apply -f -
-	@echo "waiting for every workload to be ready (timeout $(K8S_TIMEOUT) each)..."
-	@set -e; for w in $$($(K8S_NS) get statefulset,deployment -l app.kubernetes.io/part-of=fedfleet -o name); do \
-	  $(K8S_NS) rollout status "$$w" --timeout=$(K8S_TIMEOUT); \
-	done
 	@echo ""
-	@echo "fedfleet is up ($(OVERLAY)). Open Grafana with:"
-	@echo "    make dashboard          # then browse http://localhost:$(GRAFANA_PORT)/ (anonymous viewer;"
-	@echo "                            # admin password: kubectl -n $(NAMESPACE) get secret grafana-admin -o jsonpath='{.data.admin-password}' | base64 -d)"
+	@echo "Grafana: 'make dashboard' in another terminal, then http://localhost:$(GRAFANA_PORT)/ (anonymous viewer;"
+	@echo "  admin password: kubectl -n $(NAMESPACE) get secret grafana-admin -o jsonpath='{.data.admin-password}' | base64 -d)"
 	@echo "Scale the clients with 'make scale CLIENTS=n', follow them with 'make logs COMPONENT=client FOLLOW=1'."
+	@$(K8S_LIFECYCLE) wait
+
+wait: k8s-check-context
+	@$(K8S_LIFECYCLE) wait
+
+results: k8s-check-context
+	@$(K8S_LIFECYCLE) results $(RUN)
 
 scale: k8s-check-context
-	@[ -n "$(CLIENTS)" ] && [ "$(CLIENTS)" -ge 0 ] 2>/dev/null || { echo "usage: make scale CLIENTS=n   (n >= 0 client pods)" >&2; exit 1; }
-	$(K8S_NS) scale statefulset/clients --replicas=$(CLIENTS)
-	@cm=$$($(K8S_NS) get statefulset clients -o jsonpath='{.spec.template.spec.containers[?(@.name=="client")].envFrom[*].configMapRef.name}' 2>/dev/null | tr ' ' '\n' | grep '^client-sizing' | head -n 1); \
-	m=$$([ -z "$$cm" ] || $(K8S_NS) get configmap "$$cm" -o jsonpath='{.data.DEVICES_PER_CLIENT}' 2>/dev/null); \
-	[ -z "$$m" ] || echo "$(CLIENTS) client pods x $$m devices each: pods clients-0..clients-$$(( $(CLIENTS) - 1 )) host devices 0..$$(( $(CLIENTS) * $$m - 1 )) (capped at the experiment's num_devices). New devices can be selected from the next round."
-	$(K8S_NS) rollout status statefulset/clients --timeout=$(K8S_TIMEOUT)
+	@$(K8S_LIFECYCLE) scale "$(CLIENTS)"
 
 status: k8s-check-context
-	$(K8S_NS) get statefulset,deployment,pod,service,pvc -o wide
+	$(K8S_NS) get job,statefulset,deployment,pod,service,pvc -o wide
 
 logs: k8s-check-context
 	$(K8S_NS) logs -l app.kubernetes.io/part-of=fedfleet$(if $(COMPONENT),$(comma)app.kubernetes.io/component=$(COMPONENT)) \

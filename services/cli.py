@@ -208,7 +208,14 @@ def cmd_aggregator(args: argparse.Namespace) -> int:
     return 0
 
 
+def _leave_before_joining(signum: int, frame: Any) -> None:
+    """SIGTERM before the host has joined (a pod scaled away while it starts): nothing to hand over."""
+    raise SystemExit(0)
+
+
 def cmd_client(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, _leave_before_joining)
+    signal.signal(signal.SIGINT, _leave_before_joining)
     from services.client.capacity import host_budget, memory_limit
     from services.client.service import Client, per_device_bytes
     from services.common import setup_logging

