@@ -14,8 +14,9 @@ creates a user for that host alone, with the least that works:
   aggregators, and cannot send as the server or an aggregator.
 
 The host logs in again as that user; when it leaves or its lease expires, the server deletes the user
-and its queue. Every regex lives here once; ``k8s/base/rabbitmq/render-definitions.sh`` writes the
-fixed roles' with the same patterns (tests/test_security.py checks they agree).
+and its queue. Every regex lives here once: ``deploy/k8s/generate.py`` writes the Kubernetes broker
+definitions of the fixed roles from ``role_permissions`` (``tests/test_deploy.py``,
+``test_definitions_are_what_provision_says``, checks they agree).
 """
 
 from __future__ import annotations
