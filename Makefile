@@ -11,7 +11,7 @@ FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 CONFIG     ?= experiments/quickstart.yaml
 PYTEST_ARGS ?=
 
-.PHONY: help setup system-deps broker run test lint typecheck bench clean asyncapi
+.PHONY: help setup system-deps broker run test lint typecheck bench bench-scale clean asyncapi
 
 help:  ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -50,6 +50,9 @@ lint: $(STAMP)  ## ruff and mypy
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy shared services
+
+bench-scale: setup broker  ## 10,000 devices over RabbitMQ: memory, registration, rounds → benchmarks/results-scale.md
+	RABBITMQ_URL=$$(PYTHON=$(PY) scripts/ensure_broker.sh) $(PY) benchmarks/bench_scale.py --out benchmarks/results-scale.md
 
 bench: setup broker  ## benchmarks → benchmarks/results.md
 	RABBITMQ_URL=$$(PYTHON=$(PY) scripts/ensure_broker.sh) $(PY) benchmarks/run_all.py --out benchmarks/results.md

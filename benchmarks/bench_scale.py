@@ -1,8 +1,8 @@
 """Thousands of phones on one machine: memory, round time and registration at fleet scale.
 
 Usage: ``python benchmarks/bench_scale.py [--devices 10000] [--per-round 1000] [--rounds 3]
-[--clients 4] [--aggregators 2] [--out FILE]``; ``make bench-scale`` runs it and writes its table
-into ``benchmarks/results.md``.
+[--clients 4] [--aggregators 2] [--out FILE]``; ``make bench-scale`` runs it and writes its table,
+with the command, into ``benchmarks/results-scale.md``.
 
 The scenario (issue 16): ``experiments/fleet_2000.yaml`` — FedAvg on Fashion-MNIST, the ``mobile``
 phone preset — with ``--devices`` registered devices, ``--per-round`` kept per round with
