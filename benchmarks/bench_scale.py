@@ -255,11 +255,16 @@ def main() -> int:
     p.add_argument("--aggregators", type=int, default=2)
     p.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "bench-scale")
     p.add_argument("--json", type=Path)
+    p.add_argument("--out", type=Path, help="also write the table, with the command, to this markdown file")
     args = p.parse_args()
     r = run(args.devices, args.per_round, args.rounds, args.clients, args.aggregators, args.runs_dir)
     if args.json:
         args.json.write_text(json.dumps(r, indent=2))
-    print(table(r, args.devices, args.per_round))
+    text = table(r, args.devices, args.per_round)
+    if args.out:
+        command = " ".join(["python", "benchmarks/bench_scale.py", *sys.argv[1:]])
+        args.out.write_text(f"Command: `{command}` ({time.strftime('%Y-%m-%d')})\n\n{text}\n")
+    print(text)
     return 0
 
 
