@@ -31,6 +31,7 @@ Prometheus and Grafana are not fedfleet images and are not started.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -45,6 +46,7 @@ import urllib.parse
 import urllib.request
 import uuid
 from base64 import b64encode
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -214,9 +216,12 @@ class Cluster:
     def argv(self, container: dict[str, Any], env: dict[str, str], mounts: dict[str, Path]) -> list[str]:
         command = container.get("command") or ["fedfleet"]  # the image's ENTRYPOINT
         exe = {"python": sys.executable, "fedfleet": str(Path(sys.executable).parent / "fedfleet")}
-        argv = [exe.get(command[0], command[0]), *command[1:], *container.get("args", [])]
+        argv = [*command, *container.get("args", [])]
         expanded = [re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), a) for a in argv]
-        return [self.rewrite(a, mounts) for a in expanded]
+        # the container's paths map to local directories; this machine's interpreter is not one of
+        # them (it may itself live under a path a container mounts, e.g. a clone in /tmp)
+        rewritten = [self.rewrite(a, mounts) for a in expanded]
+        return [exe.get(command[0], rewritten[0]), *rewritten[1:]]
 
     def start_pod(self, kind: str, name: str) -> Pod:
         spec = self.obj(kind, name)["spec"]["template"]["spec"]
@@ -303,6 +308,18 @@ class Cluster:
             pod.terminated = True
             assert pod.proc is not None
             pod.proc.send_signal(signal.SIGTERM)
+
+    @contextlib.contextmanager
+    def paused(self, workload: tuple[str, str]) -> Iterator[None]:
+        """SIGSTOP a workload's live pods for the duration (the harness holding a round in flight)."""
+        stopped = [p.proc for p in self.live(workload) if p.proc is not None]
+        for proc in stopped:
+            proc.send_signal(signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            for proc in stopped:
+                proc.send_signal(signal.SIGCONT)
 
     def wait_terminated(self, timeout: float) -> None:
         deadline = time.time() + timeout
@@ -415,15 +432,19 @@ def test_overlay_runs_to_completion_as_processes(overlay: str, broker_url: str, 
 
         run_dir = cluster.work / "pvc" / "server-data" / "runs" / exp_id
         scaled_up = scaled_down = False
+        scaled_at = 0
         deadline = time.time() + RUN_TIMEOUT_S
         while not cluster.job_complete("server"):
             assert time.time() < deadline, f"the run did not finish:\n{cluster.tail(server)}"
             cluster.check()
             done = len(read_rounds(run_dir)) if (run_dir / "rounds.csv").exists() else 0
             if done >= 1 and not scaled_up:  # make scale CLIENTS=n+1 (returns once the pod is ready)
-                cluster.scale("clients", replicas + 1)
-                scaled_up = True
-            elif scaled_up and not scaled_down and not cluster.job_complete("server"):
+                # with the aggregators paused a round stays in flight while the new pod starts: a fast
+                # machine cannot finish the run first (the round deadline is far longer than a start)
+                with cluster.paused(("Job", "aggregator")):
+                    cluster.scale("clients", replicas + 1)
+                scaled_up, scaled_at = True, done
+            elif scaled_up and not scaled_down and done > scaled_at and not cluster.job_complete("server"):
                 cluster.scale("clients", 1)  # make scale CLIENTS=1: the others hand over and leave
                 scaled_down = True
             time.sleep(0.5)
