@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator
+
 import pytest
 
 from services.common import ServiceBase
-from shared.schemas import Kind
 from shared.transport import Delivery, Transport, Unroutable
 from shared.transport.inproc import InprocBroker, InprocTransport
 
