@@ -200,9 +200,7 @@ class AmqpTransport(Transport):
         if self.declare_topology:
             ch.exchange_declare(self.names.exchange, exchange_type="topic", durable=True)
             ch.exchange_declare(self.names.dead_letter_exchange, exchange_type="fanout", durable=True)
-            dlq_args = queue_arguments(self.options.queue_type, None, None)
-            ch.queue_declare(self.names.dead_letter_queue, durable=True, arguments=dlq_args or None)
-            ch.queue_bind(self.names.dead_letter_queue, self.names.dead_letter_exchange)
+            self._declare_dead_letter_queue(ch)
         else:
             ch = self._await_topology(ch)
         ch.add_on_cancel_callback(self._on_cancel)
@@ -217,6 +215,11 @@ class AmqpTransport(Transport):
             self._declare(queue, keys)
         for queue, handler, prefetch in self._consumers:
             self._start_consumer(queue, handler, prefetch)
+
+    def _declare_dead_letter_queue(self, ch: BlockingChannel) -> None:
+        args = queue_arguments(self.options.queue_type, None, None)
+        ch.queue_declare(self.names.dead_letter_queue, durable=True, arguments=args or None)
+        ch.queue_bind(self.names.dead_letter_queue, self.names.dead_letter_exchange)
 
     @staticmethod
     def url_user(url: str) -> str:
@@ -588,13 +591,21 @@ class AmqpTransport(Transport):
         props = BasicProperties(delivery_mode=2, headers=headers, user_id=self.user)
         generation = self._generation
         try:
-            self._confirmed(self.names.dead_letter_exchange, "", delivery.body, props, mandatory=True)
+            try:
+                self._confirmed(self.names.dead_letter_exchange, "", delivery.body, props, mandatory=True)
+            except Unroutable:
+                if not self.declare_topology:
+                    raise
+                # someone deleted the dead-letter queue: the owner declares it again and retries
+                self._declare_dead_letter_queue(self.channel)
+                self._confirmed(self.names.dead_letter_exchange, "", delivery.body, props, mandatory=True)
         except Unroutable:
             log.error(
-                "the dead-letter queue is missing; %s left unacknowledged",
+                "no dead-letter queue to take a %s message; it goes back to its queue",
                 delivery.routing_key,
                 extra={"event": "amqp_dead_letter_failed", "reason": reason},
             )
+            delivery.nack(requeue=True)
             return
         except (*_CONNECTION_ERRORS, _PublishRefused) as err:
             log.error(
