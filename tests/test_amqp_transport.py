@@ -11,6 +11,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,16 @@ from tests.conftest import write_config
 pytestmark = pytest.mark.broker
 
 
+def _keep(into: list[Delivery]) -> Callable[[Delivery], None]:
+    """A handler that keeps and acks every delivery."""
+
+    def handler(d: Delivery) -> None:
+        into.append(d)
+        d.ack()
+
+    return handler
+
+
 def _drain(t: AmqpTransport, got: list[Delivery], n: int, timeout: float = 5.0) -> None:
     end = time.time() + timeout
     while len(got) < n and time.time() < end:
@@ -39,8 +50,8 @@ def test_publish_consume_ack_and_multicast(broker_url: str, experiment_id: str) 
         t.declare_queue(f"ff.{experiment_id}.q2", ["both"])
         got1: list[Delivery] = []
         got2: list[Delivery] = []
-        t.consume(f"ff.{experiment_id}.q1", lambda d: (got1.append(d), d.ack()), prefetch=4)
-        t.consume(f"ff.{experiment_id}.q2", lambda d: (got2.append(d), d.ack()), prefetch=4)
+        t.consume(f"ff.{experiment_id}.q1", _keep(got1), prefetch=4)
+        t.consume(f"ff.{experiment_id}.q2", _keep(got2), prefetch=4)
         t.publish("k", b"one")
         t.publish("both", b"two")
         _drain(t, got1, 2)
@@ -77,7 +88,7 @@ def test_unacked_messages_are_redelivered_to_another_consumer(broker_url: str, e
         assert len(held) == 3
         a.close()  # the connection drops: the broker requeues what was unacked
         got: list[Delivery] = []
-        b.consume(q, lambda d: (got.append(d), d.ack()), prefetch=10)
+        b.consume(q, _keep(got), prefetch=10)
         _drain(b, got, 3)
         assert sorted(d.body for d in got) == [b"m0", b"m1", b"m2"]
         assert all(d.redelivered for d in got)
@@ -137,7 +148,7 @@ def test_reconnects_after_the_connection_is_killed(broker_url: str, experiment_i
     try:
         t.declare_queue(q, ["rc"])
         got: list[Delivery] = []
-        t.consume(q, lambda d: (got.append(d), d.ack()), prefetch=4)
+        t.consume(q, _keep(got), prefetch=4)
         assert t._conn is not None
         import socket
 
@@ -165,8 +176,8 @@ def test_no_handler_runs_inside_a_publish(broker_url: str, experiment_id: str) -
     try:
         t.declare_queue(q, ["inbox"])
         t.declare_queue(out, ["out"])
-        got: list[bytes] = []
-        t.consume(q, lambda d: (got.append(d.body), d.ack()), prefetch=10)
+        kept: list[Delivery] = []
+        t.consume(q, _keep(kept), prefetch=10)
         for i in range(3):
             other.publish("inbox", b"m%d" % i)
         end = time.time() + 10
@@ -176,12 +187,12 @@ def test_no_handler_runs_inside_a_publish(broker_url: str, experiment_id: str) -
         time.sleep(0.2)  # and they have crossed the socket
         unroutable = t.publish_many([("out", b"task"), ("nobody", b"lost")])
         assert unroutable == {"nobody"}  # the returns are still seen
-        assert got == [], "a consumer handler ran inside publish_many"
+        assert kept == [], "a consumer handler ran inside publish_many"
         t.process(0.05)
-        assert got == [b"m0", b"m1", b"m2"]
+        assert [d.body for d in kept] == [b"m0", b"m1", b"m2"]
         for _ in range(10):
             t.process(0.05)
-        assert got == [b"m0", b"m1", b"m2"]  # handled once
+        assert [d.body for d in kept] == [b"m0", b"m1", b"m2"]  # handled once
         assert other.queue_depth(out) == 1
         assert t.queue_depth(q) == 0
     finally:
@@ -331,7 +342,7 @@ def test_a_consumer_the_broker_cancels_subscribes_again(broker_url: str, experim
     try:
         t.declare_queue(q, ["c"])
         got: list[Delivery] = []
-        t.consume(q, lambda d: (got.append(d), d.ack()), prefetch=4)
+        t.consume(q, _keep(got), prefetch=4)
         before = _sample("fedfleet_broker_consumer_cancels_total", experiment_id)
         other.delete_queue(q)
         for _ in range(100):
