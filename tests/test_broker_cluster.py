@@ -42,8 +42,8 @@ from tests.conftest import read_rounds, wait_for, write_config
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
-ROUNDS = 6
-BUDGET_S = 20.0
+ROUNDS = 4
+BUDGET_S = 10.0
 QUORUM = BrokerOptions(queue_type="quorum")
 
 

@@ -46,9 +46,11 @@ def scrub(text: str, urls: list[str]) -> str:
     """``text`` (an error from pika, say) with any password of ``urls`` replaced by ``***``."""
     for url in urls:
         try:
-            password = urllib.parse.urlsplit(url).password
+            parts = urllib.parse.urlsplit(url)
         except ValueError:
             continue
-        if password:
+        password = parts.password
+        # a password equal to the user name is no secret from anyone who reads the user name
+        if password and password != parts.username:
             text = text.replace(password, "***").replace(urllib.parse.unquote(password), "***")
     return text
