@@ -187,3 +187,41 @@ def test_one_lost_address_and_no_other_fails_with_one_clear_line(
         server_log[-3:]
     )
     assert not any("Traceback" in line for line in server_log)
+
+
+def test_the_loopback_nodes_run_the_kubernetes_configuration() -> None:
+    """The rendered ha overlay mounts exactly the files ``LocalCluster`` starts its nodes from."""
+    import shutil
+    import subprocess
+
+    import yaml
+
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        if os.environ.get("CI"):
+            pytest.fail("kubectl is not installed (scripts/setup_deploy_tools.sh)")
+        pytest.skip("kubectl is not installed")
+    out = subprocess.run(
+        [kubectl, "kustomize", str(lc.ROOT / "k8s" / "overlays" / "ha")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    docs = [d for d in yaml.safe_load_all(out) if d]
+    (config,) = [
+        d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("rabbitmq-config-")
+    ]
+    conf, plugins = lc.component_files()
+    assert config["data"]["rabbitmq.conf"] + "\n" + config["data"]["cluster.conf"] == conf
+    assert config["data"]["enabled_plugins"] == plugins
+    (broker,) = [d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "rabbitmq"]
+    assert broker["spec"]["replicas"] == 3
+    mounts = {
+        m["mountPath"]: m.get("subPath")
+        for m in broker["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
+    }
+    assert mounts["/etc/rabbitmq/conf.d/30-cluster.conf"] == "cluster.conf"
+    assert mounts["/etc/rabbitmq/conf.d/20-fedfleet.conf"] == "rabbitmq.conf"
+    env = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ConfigMap"}
+    (fedfleet_env,) = [d for name, d in env.items() if name.startswith("fedfleet-env-")]
+    assert fedfleet_env["data"]["RABBITMQ_QUEUE_TYPE"] == "quorum"
