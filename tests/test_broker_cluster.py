@@ -104,6 +104,37 @@ def _dead_letters_logged(workdir: Path) -> int:
     return count
 
 
+#: the transport's events that end a recovery: a new connection, a consumer subscribed again
+RECOVERED = ("amqp_reconnected", "amqp_consumer_cancelled")
+
+
+def _report(victim: str, kill_at: int, killed_at: float, workdir: Path, run_dir: Path) -> None:
+    """What the fault cost, printed for ``pytest -s`` (docs/broker.md quotes it): the transport's
+    events after the kill, the last recovery among the services, and the round the kill fell in."""
+    events: list[tuple[float, str]] = []
+    for log in workdir.glob("*.log"):
+        for line in log.read_text(errors="replace").splitlines():
+            if line.startswith("{"):
+                rec = json.loads(line)
+                if str(rec.get("event", "")).startswith("amqp_") and rec["ts"] >= killed_at:
+                    events.append((rec["ts"] - killed_at, rec["event"]))
+    recovered = [dt for dt, event in events if event in RECOVERED]
+    rows = read_rounds(run_dir)
+    seconds = [float(r["round_seconds"]) for r in rows]
+    hit = seconds[kill_at] if kill_at < len(seconds) else float("nan")
+    others = sorted(s for i, s in enumerate(seconds) if i not in (0, kill_at))
+    counts: dict[str, int] = {}
+    for _dt, event in events:
+        counts[event] = counts.get(event, 0) + 1
+    print(
+        f"\n[fault] killed {victim} after round {kill_at}: transport events {counts}; last recovery "
+        f"{max(recovered) if recovered else 0:.2f} s after the kill; that round {hit:.2f} s, "
+        f"the other rounds (without the first) {others[0]:.2f}-{others[-1]:.2f} s"
+        if others
+        else f"\n[fault] killed {victim} after round {kill_at}: transport events {counts}"
+    )
+
+
 def _run_with_kill(
     cluster: lc.LocalCluster,
     config: Path,
@@ -117,6 +148,7 @@ def _run_with_kill(
     pc = _services(cluster.url, config, workdir, exp)
     try:
         wait_for(lambda: _rounds_done(pc.run_dir) >= kill_at, 180, f"round {kill_at}", interval=0.05)
+        killed_at = time.time()
         cluster.kill(cluster.node(victim))
         rc = pc.get("server").wait(timeout=240)
         pc.shutdown(rc)
@@ -129,6 +161,7 @@ def _run_with_kill(
     worst = max(float(np.max(np.abs(got[k].astype(np.float64) - model[k]))) for k in model)
     assert worst <= 1e-6, f"max |Δw| = {worst}; {why}"
     assert _participants(pc.run_dir) == participants, why
+    _report(victim, kill_at, killed_at, workdir, pc.run_dir)
     t = AmqpTransport(cluster.url, exp, options=QUORUM)
     try:
         assert t.queue_depth(t.names.dead_letter_queue) == _dead_letters_logged(workdir), why
