@@ -108,7 +108,9 @@ def _dead_letters_logged(workdir: Path) -> int:
 RECOVERED = ("amqp_reconnected", "amqp_consumer_cancelled")
 
 
-def _report(victim: str, kill_at: int, killed_at: float, workdir: Path, run_dir: Path) -> None:
+def _report(
+    victim: str, kill_at: int, killed_at: float, workdir: Path, run_dir: Path, leaders: dict[str, str]
+) -> None:
     """What the fault cost, printed for ``pytest -s`` (docs/broker.md quotes it): the transport's
     events after the kill, the last recovery among the services, and the round the kill fell in."""
     events: list[tuple[float, str]] = []
@@ -126,6 +128,8 @@ def _report(victim: str, kill_at: int, killed_at: float, workdir: Path, run_dir:
     counts: dict[str, int] = {}
     for _dt, event in events:
         counts[event] = counts.get(event, 0) + 1
+    led = sorted(q.rsplit(".", 1)[-1] for q, node in leaders.items() if node == victim)
+    print(f"\n[fault] {victim} led {led or 'no queue'} of the experiment when it was killed")
     print(
         f"\n[fault] killed {victim} after round {kill_at}: transport events {counts}; last recovery "
         f"{max(recovered) if recovered else 0:.2f} s after the kill; that round {hit:.2f} s, "
@@ -148,6 +152,7 @@ def _run_with_kill(
     pc = _services(cluster.url, config, workdir, exp)
     try:
         wait_for(lambda: _rounds_done(pc.run_dir) >= kill_at, 180, f"round {kill_at}", interval=0.05)
+        leaders = {q: node for q, node in cluster.leaders().items() if q.startswith(f"ff.{exp}.")}
         killed_at = time.time()
         cluster.kill(cluster.node(victim))
         rc = pc.get("server").wait(timeout=240)
@@ -161,7 +166,7 @@ def _run_with_kill(
     worst = max(float(np.max(np.abs(got[k].astype(np.float64) - model[k]))) for k in model)
     assert worst <= 1e-6, f"max |Δw| = {worst}; {why}"
     assert _participants(pc.run_dir) == participants, why
-    _report(victim, kill_at, killed_at, workdir, pc.run_dir)
+    _report(victim, kill_at, killed_at, workdir, pc.run_dir, leaders)
     t = AmqpTransport(cluster.url, exp, options=QUORUM)
     try:
         assert t.queue_depth(t.names.dead_letter_queue) == _dead_letters_logged(workdir), why

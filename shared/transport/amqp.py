@@ -279,9 +279,7 @@ class AmqpTransport(Transport):
             if time.monotonic() + delay > deadline:
                 last = "; ".join(f"{addr}: {why}" for addr, why in errors.items())
                 raise BrokerUnavailable(
-                    self._describe(
-                        f"no address answered within {self.options.reconnect_budget_s:g}s ({last})"
-                    )
+                    self._describe(f"no address usable within {self.options.reconnect_budget_s:g}s ({last})")
                 )
             log.warning(
                 "no broker address answered, retrying in %.2fs",
