@@ -282,8 +282,9 @@ class AmqpTransport(Transport):
                     self._describe(f"no address usable within {self.options.reconnect_budget_s:g}s ({last})")
                 )
             log.warning(
-                "no broker address answered, retrying in %.2fs",
+                "no broker address could be used, retrying in %.2fs: %s",
                 delay,
+                "; ".join(f"{addr}: {why}" for addr, why in errors.items()),
                 extra={"event": "amqp_retry", "f_addresses": [redact(u) for u in self.urls]},
             )
             time.sleep(delay)
