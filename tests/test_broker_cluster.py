@@ -42,7 +42,7 @@ from tests.conftest import read_rounds, wait_for, write_config
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
-ROUNDS = 4
+ROUNDS = 8
 BUDGET_S = 10.0
 QUORUM = BrokerOptions(queue_type="quorum")
 
@@ -148,13 +148,15 @@ def _run_with_kill(
     *,
     exp: str,
 ) -> None:
-    kill_at = random.Random(time.time_ns()).randint(1, ROUNDS - 2)
+    kill_at = random.Random(time.time_ns()).randint(1, ROUNDS - 4)
     pc = _services(cluster.url, config, workdir, exp)
     try:
         wait_for(lambda: _rounds_done(pc.run_dir) >= kill_at, 180, f"round {kill_at}", interval=0.05)
         leaders = {q: node for q, node in cluster.leaders().items() if q.startswith(f"ff.{exp}.")}
         killed_at = time.time()
         cluster.kill(cluster.node(victim))
+        done_at_kill = _rounds_done(pc.run_dir)
+        assert done_at_kill < ROUNDS, "the run ended before the kill: nothing was tested"
         rc = pc.get("server").wait(timeout=240)
         pc.shutdown(rc)
     finally:
