@@ -359,6 +359,25 @@ def test_a_consumer_the_broker_cancels_subscribes_again(broker_url: str, experim
         t.close()
 
 
+def test_deleting_its_own_queue_is_no_cancel_to_recover_from(broker_url: str, experiment_id: str) -> None:
+    """An aggregator deletes its queue when the run stops: the broker's cancel that follows must not
+    send the transport re-subscribing to a queue that is gone (it retried until its budget ran out)."""
+    q = f"ff.{experiment_id}.mine"
+    t = AmqpTransport(broker_url, experiment_id, options=BrokerOptions(reconnect_budget_s=5))
+    try:
+        t.declare_queue(q, ["mine"])
+        t.consume(q, _keep([]), prefetch=1)
+        before = _sample("fedfleet_broker_reconnects_total", experiment_id)
+        t.delete_queue(q)
+        for _ in range(20):
+            t.process(0.02)
+        assert _sample("fedfleet_broker_reconnects_total", experiment_id) == before
+        assert _sample("fedfleet_broker_consumer_cancels_total", experiment_id) == 0
+    finally:
+        t.delete_experiment()
+        t.close()
+
+
 def test_a_dead_letter_survives_a_deleted_dead_letter_queue(broker_url: str, experiment_id: str) -> None:
     q = f"ff.{experiment_id}.dl"
     t = AmqpTransport(broker_url, experiment_id)

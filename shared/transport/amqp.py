@@ -628,6 +628,7 @@ class AmqpTransport(Transport):
         """Delete the experiment's queues and exchanges, on a fresh channel (passive errors close it)."""
         assert self._conn is not None
         for queue in dict.fromkeys([*self._queues, *queues, self.names.dead_letter_queue]):
+            self._forget(queue)
             try:
                 self.channel.queue_delete(queue)
             except pika.exceptions.ChannelClosedByBroker:
@@ -638,8 +639,17 @@ class AmqpTransport(Transport):
             except pika.exceptions.ChannelClosedByBroker:
                 self._ch = self._conn.channel()
 
-    def delete_queue(self, queue: str) -> None:
+    def _forget(self, queue: str) -> None:
+        """Stop declaring and consuming ``queue``: the broker's ``basic.cancel`` that follows its
+        deletion is then no reason to subscribe again (an aggregator deletes its queue at stop)."""
         self._queues.pop(queue, None)
+        self._expires.pop(queue, None)
+        self._consumers = [c for c in self._consumers if c[0] != queue]
+        self._cancelled = [c for c in self._cancelled if c[0] != queue]
+        self._tags = {tag: c for tag, c in self._tags.items() if c[0] != queue}
+
+    def delete_queue(self, queue: str) -> None:
+        self._forget(queue)
         self._with_reconnect(lambda: self.channel.queue_delete(queue))
 
     def _safe_close(self) -> None:
