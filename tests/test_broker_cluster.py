@@ -159,10 +159,12 @@ def _run_with_kill(
         assert done_at_kill < ROUNDS, "the run ended before the kill: nothing was tested"
         rc = pc.get("server").wait(timeout=240)
         pc.shutdown(rc)
+        codes = {p.name: p.returncode for p in pc.procs}  # every service left cleanly on the stop
     finally:
         pc.stop_all()
     why = f"{victim} killed after round {kill_at}; logs in {workdir}"
     assert rc == 0, why
+    assert set(codes.values()) == {0}, f"{codes}; {why}"
     model, participants = reference
     got = _model(pc.run_dir)
     worst = max(float(np.max(np.abs(got[k].astype(np.float64) - model[k]))) for k in model)
