@@ -487,6 +487,10 @@ class AmqpTransport(Transport):
         return set(self._returned)
 
     def publish_many(self, items: Sequence[tuple[str, bytes]]) -> set[str]:
+        if self.options.queue_type == "quorum":
+            # A transaction's commit is no promise that a quorum queue in the middle of a leader
+            # election took the messages; a publisher confirm is. One confirm per message, then.
+            return super().publish_many(items)
         props = BasicProperties(delivery_mode=2, user_id=self.user)
         return self._with_reconnect(lambda: self._commit_batch(items, props))
 
