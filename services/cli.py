@@ -261,8 +261,9 @@ def _broker_admin(settings: Settings) -> Any:
     import pika
 
     from shared.provision import BrokerAdmin, ProvisionError
+    from shared.transport.urls import split_urls
 
-    vhost = pika.URLParameters(settings.rabbitmq_url).virtual_host
+    vhost = pika.URLParameters(split_urls(settings.rabbitmq_url)[0]).virtual_host
     try:
         return BrokerAdmin(settings.broker_admin_url, vhost=vhost)
     except ProvisionError as err:
@@ -279,12 +280,17 @@ def _host_login(url: str, experiment: str, given_id: str | None) -> tuple[str, s
 
     if identify(AmqpTransport.url_user(url)).role is not Role.JOIN:
         return url, _host_id(given_id)
+    from shared.transport.amqp import broker_reachable
+    from shared.transport.urls import SEPARATOR, split_urls
+
+    urls = split_urls(url)
+    first = next((u for u in urls if broker_reachable(u)), urls[0])  # join through a live node
     try:
-        reply = join(url, experiment, hint=_host_id(given_id))
+        reply = join(first, experiment, hint=_host_id(given_id))
     except ProvisionError as err:
         console.print(f"[red]cannot join experiment {experiment}[/red]: {err}")
         raise SystemExit(2) from None
-    return with_user(url, reply.user, reply.password), reply.host_id
+    return SEPARATOR.join(with_user(u, reply.user, reply.password) for u in urls), reply.host_id
 
 
 def cmd_healthcheck(args: argparse.Namespace) -> int:
@@ -728,6 +734,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from services.server.errors import CheckpointError
     from shared.metrics import MetricsPortInUse
+    from shared.transport import BrokerUnavailable
 
     args = build_parser().parse_args(argv)
     try:
@@ -738,6 +745,9 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as err:  # a run directory whose checkpoints are all unusable
         console.print(f"[red]cannot resume:[/red] {err}")
         return 2
+    except BrokerUnavailable as err:  # the broker is gone past the reconnect budget: one line
+        print(f"fedfleet {args.command}: {err}", file=sys.stderr, flush=True)
+        return 3
 
 
 if __name__ == "__main__":

@@ -56,7 +56,9 @@ def setup_logging(level: str = "INFO") -> None:
     handler.setFormatter(JsonFormatter())
     root.addHandler(handler)
     root.setLevel(level.upper())
-    logging.getLogger("pika").setLevel(logging.WARNING)
+    # The transport logs every connection loss, retry and reconnect itself, with the address in use
+    # and passwords redacted; pika's own records repeat them as errors with tracebacks attached.
+    logging.getLogger("pika").setLevel(logging.CRITICAL)
 
 
 MessageHandler = Callable[[Envelope, Any, Delivery], None]

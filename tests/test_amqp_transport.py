@@ -2,15 +2,39 @@
 
 from __future__ import annotations
 
+import base64
+import json
+import os
+import subprocess
+import sys
+import threading
 import time
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pika
 import pytest
+from prometheus_client import REGISTRY
 
-from shared.transport import Delivery, Unroutable
-from shared.transport.amqp import AmqpTransport
+from shared.transport import BrokerUnavailable, Delivery, Unroutable
+from shared.transport.amqp import AmqpTransport, BrokerOptions
+from shared.transport.urls import redact
+from tests.conftest import write_config
 
 pytestmark = pytest.mark.broker
+
+
+def _keep(into: list[Delivery]) -> Callable[[Delivery], None]:
+    """A handler that keeps and acks every delivery."""
+
+    def handler(d: Delivery) -> None:
+        into.append(d)
+        d.ack()
+
+    return handler
 
 
 def _drain(t: AmqpTransport, got: list[Delivery], n: int, timeout: float = 5.0) -> None:
@@ -26,8 +50,8 @@ def test_publish_consume_ack_and_multicast(broker_url: str, experiment_id: str) 
         t.declare_queue(f"ff.{experiment_id}.q2", ["both"])
         got1: list[Delivery] = []
         got2: list[Delivery] = []
-        t.consume(f"ff.{experiment_id}.q1", lambda d: (got1.append(d), d.ack()), prefetch=4)
-        t.consume(f"ff.{experiment_id}.q2", lambda d: (got2.append(d), d.ack()), prefetch=4)
+        t.consume(f"ff.{experiment_id}.q1", _keep(got1), prefetch=4)
+        t.consume(f"ff.{experiment_id}.q2", _keep(got2), prefetch=4)
         t.publish("k", b"one")
         t.publish("both", b"two")
         _drain(t, got1, 2)
@@ -64,7 +88,7 @@ def test_unacked_messages_are_redelivered_to_another_consumer(broker_url: str, e
         assert len(held) == 3
         a.close()  # the connection drops: the broker requeues what was unacked
         got: list[Delivery] = []
-        b.consume(q, lambda d: (got.append(d), d.ack()), prefetch=10)
+        b.consume(q, _keep(got), prefetch=10)
         _drain(b, got, 3)
         assert sorted(d.body for d in got) == [b"m0", b"m1", b"m2"]
         assert all(d.redelivered for d in got)
@@ -124,7 +148,7 @@ def test_reconnects_after_the_connection_is_killed(broker_url: str, experiment_i
     try:
         t.declare_queue(q, ["rc"])
         got: list[Delivery] = []
-        t.consume(q, lambda d: (got.append(d), d.ack()), prefetch=4)
+        t.consume(q, _keep(got), prefetch=4)
         assert t._conn is not None
         import socket
 
@@ -152,8 +176,8 @@ def test_no_handler_runs_inside_a_publish(broker_url: str, experiment_id: str) -
     try:
         t.declare_queue(q, ["inbox"])
         t.declare_queue(out, ["out"])
-        got: list[bytes] = []
-        t.consume(q, lambda d: (got.append(d.body), d.ack()), prefetch=10)
+        kept: list[Delivery] = []
+        t.consume(q, _keep(kept), prefetch=10)
         for i in range(3):
             other.publish("inbox", b"m%d" % i)
         end = time.time() + 10
@@ -163,15 +187,216 @@ def test_no_handler_runs_inside_a_publish(broker_url: str, experiment_id: str) -
         time.sleep(0.2)  # and they have crossed the socket
         unroutable = t.publish_many([("out", b"task"), ("nobody", b"lost")])
         assert unroutable == {"nobody"}  # the returns are still seen
-        assert got == [], "a consumer handler ran inside publish_many"
+        assert kept == [], "a consumer handler ran inside publish_many"
         t.process(0.05)
-        assert got == [b"m0", b"m1", b"m2"]
+        assert [d.body for d in kept] == [b"m0", b"m1", b"m2"]
         for _ in range(10):
             t.process(0.05)
-        assert got == [b"m0", b"m1", b"m2"]  # handled once
+        assert [d.body for d in kept] == [b"m0", b"m1", b"m2"]  # handled once
         assert other.queue_depth(out) == 1
         assert t.queue_depth(q) == 0
     finally:
         other.close()
         t.delete_experiment([q, out])
         t.close()
+
+
+# -- a replicated broker's needs (issue: queue type, several addresses, NACKs, cancels) ----------------
+def _management_queue(broker_url: str, queue: str) -> dict[str, Any]:
+    """The queue as RabbitMQ's management API describes it (its type among other things)."""
+    params = pika.URLParameters(broker_url)
+    vhost = urllib.parse.quote(params.virtual_host, safe="")
+    req = urllib.request.Request(
+        f"http://{params.host}:15672/api/queues/{vhost}/{urllib.parse.quote(queue, safe='')}"
+    )
+    creds = base64.b64encode(f"{params.credentials.username}:{params.credentials.password}".encode())
+    req.add_header("Authorization", f"Basic {creds.decode()}")
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return dict(json.loads(resp.read()))
+
+
+@pytest.mark.parametrize("queue_type", ["classic", "quorum"])
+def test_every_queue_takes_the_configured_type(broker_url: str, experiment_id: str, queue_type: str) -> None:
+    """The dead-letter queue included, and a session queue with an expiry (quorum queues take it)."""
+    q, session = f"ff.{experiment_id}.typed", f"ff.{experiment_id}.session"
+    opts = BrokerOptions(queue_type="quorum" if queue_type == "quorum" else "classic")
+    t = AmqpTransport(broker_url, experiment_id, options=opts)
+    try:
+        t.declare_queue(q, ["typed"])
+        t.declare_queue(session, ["session"], expires_s=600)
+        for name in (q, session, t.names.dead_letter_queue):
+            assert _management_queue(broker_url, name)["type"] == queue_type, name
+        t.publish("typed", b"x")
+        assert t.queue_depth(q) == 1
+    finally:
+        t.delete_experiment([q, session])
+        t.close()
+
+
+def test_several_addresses_the_first_that_answers_is_used(broker_url: str, experiment_id: str) -> None:
+    dead = "amqp://guest:secret-pw@127.0.0.1:1/%2F"  # nothing listens on port 1
+    t = AmqpTransport(f"{dead};{broker_url}", experiment_id)
+    try:
+        assert t.address == redact(broker_url)
+        t.declare_queue(f"ff.{experiment_id}.multi", ["m"])
+        t.publish("m", b"x")
+        assert t.queue_depth(f"ff.{experiment_id}.multi") == 1
+    finally:
+        t.delete_experiment([f"ff.{experiment_id}.multi"])
+        t.close()
+
+
+def test_an_exhausted_budget_is_one_line_naming_the_addresses(experiment_id: str) -> None:
+    urls = "amqp://guest:secret-pw@127.0.0.1:1/%2F;amqp://host-user:other-pw@127.0.0.1:2/v"
+    opts = BrokerOptions(reconnect_budget_s=0.5, backoff_s=0.1, backoff_max_s=0.2)
+    with pytest.raises(BrokerUnavailable) as err:
+        AmqpTransport(urls, experiment_id, options=opts)
+    text = str(err.value)
+    assert "\n" not in text
+    assert "127.0.0.1:1" in text and "127.0.0.1:2" in text
+    assert "secret-pw" not in text and "other-pw" not in text
+
+
+def test_the_cli_exits_non_zero_with_one_line_when_no_address_answers(tmp_path: Path) -> None:
+    env = dict(
+        os.environ,
+        RABBITMQ_URL="amqp://guest:secret-pw@127.0.0.1:1/%2F",
+        FEDFLEET_RECONNECT_BUDGET_S="0.5",
+        FEDFLEET_RECONNECT_BACKOFF_S="0.1",
+    )
+    config = write_config(tmp_path / "c.yaml")
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli", "aggregator", "--config", str(config), "--metrics-port", "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 3, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("fedfleet aggregator: cannot reach RabbitMQ at amqp://guest:***@127.0.0.1:1/")
+    for line in lines[:-1]:  # before it, only the transport's own retry records
+        assert json.loads(line)["event"] == "amqp_retry", line
+    assert "secret-pw" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_nacked_publish_is_retried_on_a_fresh_channel(broker_url: str, experiment_id: str) -> None:
+    """A full queue with ``reject-publish`` makes the broker NACK, as a quorum leader election does:
+    the publish is retried (counted) until a consumer on another connection makes room."""
+    q = f"ff.{experiment_id}.full"
+    t = AmqpTransport(broker_url, experiment_id, options=BrokerOptions(reconnect_budget_s=20))
+    conn = pika.BlockingConnection(pika.URLParameters(broker_url))
+    try:
+        ch = conn.channel()
+        ch.queue_declare(q, durable=True, arguments={"x-max-length": 1, "x-overflow": "reject-publish"})
+        ch.queue_bind(q, t.names.exchange, routing_key="full")
+        t.publish("full", b"first")
+        before = _sample("fedfleet_broker_publish_retries_total", experiment_id, "nack")
+
+        def make_room() -> None:  # its own connection: pika connections are not shared by threads
+            while _sample("fedfleet_broker_publish_retries_total", experiment_id, "nack") == before:
+                time.sleep(0.01)
+            taker = pika.BlockingConnection(pika.URLParameters(broker_url))
+            taker.channel().basic_get(q, auto_ack=True)
+            taker.close()
+
+        helper = threading.Thread(target=make_room)
+        helper.start()
+        t.publish("full", b"second")  # NACKed until the helper takes "first"
+        helper.join()
+        assert _sample("fedfleet_broker_publish_retries_total", experiment_id, "nack") > before
+        assert t.queue_depth(q) == 1
+    finally:
+        conn.close()
+        t.delete_experiment([q])
+        t.close()
+
+
+def test_a_publish_refused_for_good_ends_in_broker_unavailable(broker_url: str, experiment_id: str) -> None:
+    q = f"ff.{experiment_id}.stuck"
+    opts = BrokerOptions(publish_retries=2, reconnect_budget_s=1.0, backoff_s=0.1)
+    t = AmqpTransport(broker_url, experiment_id, options=opts)
+    try:
+        t.declare_queue(q, ["stuck"])
+        t.channel.queue_declare(
+            q + ".full", durable=True, arguments={"x-max-length": 0, "x-overflow": "reject-publish"}
+        )
+        t.channel.queue_bind(q + ".full", t.names.exchange, routing_key="stuck")
+        before = _sample("fedfleet_broker_publish_retries_total", experiment_id, "nack")
+        with pytest.raises(BrokerUnavailable):
+            t.publish("stuck", b"never")
+        assert _sample("fedfleet_broker_publish_retries_total", experiment_id, "nack") >= before + 2
+    finally:
+        cleaner = AmqpTransport(broker_url, experiment_id)
+        cleaner.delete_experiment([q, q + ".full"])
+        cleaner.close()
+        t.close()
+
+
+def test_a_consumer_the_broker_cancels_subscribes_again(broker_url: str, experiment_id: str) -> None:
+    """Deleting a consumed queue makes the broker send ``basic.cancel`` (as losing a classic queue's
+    node, or a quorum queue's leader, does); the transport declares it again and consumes on."""
+    q = f"ff.{experiment_id}.cancelled"
+    t = AmqpTransport(broker_url, experiment_id)
+    other = AmqpTransport(broker_url, experiment_id)
+    try:
+        t.declare_queue(q, ["c"])
+        got: list[Delivery] = []
+        t.consume(q, _keep(got), prefetch=4)
+        before = _sample("fedfleet_broker_consumer_cancels_total", experiment_id)
+        other.delete_queue(q)
+        for _ in range(100):
+            t.process(0.02)
+            if _sample("fedfleet_broker_consumer_cancels_total", experiment_id) > before:
+                break
+        assert _sample("fedfleet_broker_consumer_cancels_total", experiment_id) == before + 1
+        other.publish("c", b"after the cancel")  # routed: the queue and its binding are back
+        _drain(t, got, 1)
+        assert [d.body for d in got] == [b"after the cancel"]
+    finally:
+        other.close()
+        t.delete_experiment([q])
+        t.close()
+
+
+def test_deleting_its_own_queue_is_no_cancel_to_recover_from(broker_url: str, experiment_id: str) -> None:
+    """An aggregator deletes its queue when the run stops: the broker's cancel that follows must not
+    send the transport re-subscribing to a queue that is gone (it retried until its budget ran out)."""
+    q = f"ff.{experiment_id}.mine"
+    t = AmqpTransport(broker_url, experiment_id, options=BrokerOptions(reconnect_budget_s=5))
+    try:
+        t.declare_queue(q, ["mine"])
+        t.consume(q, _keep([]), prefetch=1)
+        before = _sample("fedfleet_broker_reconnects_total", experiment_id)
+        t.delete_queue(q)
+        for _ in range(20):
+            t.process(0.02)
+        assert _sample("fedfleet_broker_reconnects_total", experiment_id) == before
+        assert _sample("fedfleet_broker_consumer_cancels_total", experiment_id) == 0
+    finally:
+        t.delete_experiment()
+        t.close()
+
+
+def test_a_dead_letter_survives_a_deleted_dead_letter_queue(broker_url: str, experiment_id: str) -> None:
+    q = f"ff.{experiment_id}.dl"
+    t = AmqpTransport(broker_url, experiment_id)
+    try:
+        t.declare_queue(q, ["dl"])
+        t.channel.queue_delete(t.names.dead_letter_queue)
+        t.consume(q, lambda d: t.dead_letter(d, "schema", "bad"), prefetch=1)
+        t.publish("dl", b"keep me")
+        for _ in range(100):
+            t.process(0.02)
+            if t.queue_depth(t.names.dead_letter_queue) == 1:
+                break
+        assert t.queue_depth(t.names.dead_letter_queue) == 1
+        assert t.queue_depth(q) == 0
+    finally:
+        t.delete_experiment([q])
+        t.close()
+
+
+def _sample(name: str, experiment: str, reason: str | None = None) -> float:
+    labels = {"experiment": experiment} | ({"reason": reason} if reason else {})
+    return REGISTRY.get_sample_value(name, labels) or 0.0

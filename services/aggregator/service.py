@@ -98,8 +98,14 @@ class Aggregator(ServiceBase):
             transport.wait_for_queue(names.updates_queue)
         else:
             transport.declare_queue(names.updates_queue, [KEY_UPDATE])
-        own = names.aggregator_queue(self.aggregator_id)
-        transport.declare_queue(own, [KEY_AGGREGATORS, key_aggregator(self.aggregator_id)], expires_s=600)
+        # The queue is named after the aggregator's identity, not its session: a restart reuses it
+        # rather than creating another (replicated, with quorum queues) queue. The session's own key
+        # is bound to it; a decision that arrives on an older session's key is dropped (on_decision).
+        self.queue = names.aggregator_queue(aggregator_id)
+        transport.declare_queue(
+            self.queue, [KEY_AGGREGATORS, key_aggregator(self.aggregator_id)], expires_s=600
+        )
+        own = self.queue
         control: dict[Kind, MessageHandler] = {
             Kind.ROUND_OPEN: self.on_round_open,
             Kind.FLUSH: self.on_flush,
@@ -153,6 +159,9 @@ class Aggregator(ServiceBase):
         d.ack()
 
     def on_decision(self, env: Envelope, msg: Decision, d: Delivery) -> None:
+        if d.routing_key != key_aggregator(self.aggregator_id):
+            d.ack()  # an earlier session's decision, still bound to this identity's queue
+            return
         batch = self.pending.pop(msg.seq, None)
         d.ack()
         if batch is None:
@@ -178,8 +187,8 @@ class Aggregator(ServiceBase):
     def on_stop(self, env: Envelope, msg: Any, d: Delivery) -> None:
         d.ack()
         self.stopped = True
-        # The queue belongs to this session only; remove it rather than wait for its expiry.
-        self.transport.delete_queue(self.transport.names.aggregator_queue(self.aggregator_id))
+        # The run is over: remove the queue rather than wait for its expiry.
+        self.transport.delete_queue(self.queue)
 
     # -- data plane ------------------------------------------------------------------------------
     def on_update(self, env: Envelope, msg: Update, d: Delivery) -> None:

@@ -473,7 +473,8 @@ class Server(ServiceBase):
         rs = self.rs
         assert rs is not None
         if rs.all_covered():
-            self._finalize("completed")
+            # a round nobody contributed to (every selected device unreachable) is no success
+            self._finalize("completed" if rs.covered else "below-quorum")
         elif now >= rs.flush_deadline:
             lost = sorted(set(rs.receipts) - rs.covered)
             self.log.error(

@@ -447,6 +447,23 @@ class Settings(BaseSettings):
         default="amqp://guest:guest@127.0.0.1:5672/%2F",
         validation_alias="RABBITMQ_URL",
     )
+    #: the type of every queue fedfleet declares, the dead-letter queue included: ``classic`` (one
+    #: node holds it; lost with that node) or ``quorum`` (replicated over the cluster's nodes, survives
+    #: the loss of a minority). Every process of a deployment must use the same type: RabbitMQ refuses
+    #: to re-declare a queue with another type. See docs/broker.md for the measured cost.
+    rabbitmq_queue_type: Literal["classic", "quorum"] = Field(
+        default="classic", validation_alias="RABBITMQ_QUEUE_TYPE"
+    )
+    #: seconds a service keeps trying to reach any broker address after a loss (or at start) before
+    #: it exits non-zero naming the addresses it tried
+    reconnect_budget_s: float = Field(120.0, gt=0)
+    #: first pause between connection attempts; doubled after each failed pass over the addresses
+    reconnect_backoff_s: float = Field(0.25, gt=0)
+    #: the longest pause between connection attempts
+    reconnect_backoff_max_s: float = Field(5.0, gt=0)
+    #: times a publish the broker refused (NACK, closed channel) is sent again on a fresh channel
+    #: before the service treats the broker as lost (leader elections NACK for about 0.1-0.5 s)
+    publish_retries: int = Field(8, ge=0)
     metrics_port: int | None = None
     experiment: str | None = None
     log_level: str = "INFO"

@@ -210,6 +210,23 @@ ROBUST_UPDATES = Counter(
     ("experiment", "algorithm", "outcome"),
 )
 
+BROKER_PUBLISH_RETRIES = Counter(
+    "fedfleet_broker_publish_retries_total",
+    "Publishes the broker refused (a NACK, e.g. during a quorum leader election, or a closed channel) "
+    "and that were sent again on a fresh channel.",
+    ("experiment", "reason"),
+)
+BROKER_RECONNECTS = Counter(
+    "fedfleet_broker_reconnects_total",
+    "Connections to the broker re-opened after a loss (possibly to another node's address).",
+    ("experiment",),
+)
+BROKER_CONSUMER_CANCELS = Counter(
+    "fedfleet_broker_consumer_cancels_total",
+    "Consumers the broker cancelled (its queue's node or leader went away); each was re-subscribed.",
+    ("experiment",),
+)
+
 
 def all_metric_names(registry: CollectorRegistry = REGISTRY) -> set[str]:
     """Every sample name the registry can export (``_total``, ``_bucket``... included).

@@ -16,8 +16,22 @@ Reliability choices, each because a service relies on it:
   messages are redelivered (``redelivered=True``) to another consumer, and no consumer hoards the queue;
 * every queue dead-letters into the experiment's DLX, and services dead-letter bad messages
   explicitly (republished with ``x-fedfleet-reason``) so the dead-letter queue says why;
-* reconnect with exponential backoff: topology and consumers are re-declared; deliveries from the
-  lost channel are not acked (the broker redelivers them);
+* several broker addresses (``RABBITMQ_URL`` lists them, ``;``-separated): a connection goes to the
+  first that answers and, after a loss, to the next one; reconnects back off exponentially within a
+  budget (settings ``reconnect_*``), and an exhausted budget is one ``BrokerUnavailable`` line that
+  names the addresses (passwords redacted), never an assertion deep in a handler;
+* reconnects re-declare topology and consumers; deliveries from the lost channel are not acked (the
+  broker redelivers them);
+* ``RABBITMQ_QUEUE_TYPE`` gives every queue declared here the same type (``quorum`` replicates it
+  over a cluster's nodes); the dead-letter queue included, since dead letters must not be lost with
+  one node;
+* a publish the broker NACKs (a quorum queue electing a new leader does so for a fraction of a
+  second) or whose channel it closes is sent again on a fresh channel, a bounded number of times and
+  counted (``fedfleet_broker_publish_retries_total``); it never reaches a handler as its error;
+* a consumer the broker cancels (``basic.cancel``: its queue's node or leader went away) is
+  re-declared and re-subscribed, logged as ``amqp_consumer_cancelled``;
+* the dead-letter publish is confirmed like any other; if it cannot be confirmed the original is
+  left unacknowledged, so the broker delivers it again rather than losing it;
 * handlers run only from ``process``, never from inside a publish: ``publish_many`` must pump the
   connection to see its mandatory returns, and pika would dispatch consumer deliveries there too, so a
   service's handler could run in the middle of the service's own state change (the server's
@@ -31,14 +45,20 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
 
 import pika
 import pika.exceptions
+import pika.frame
 from pika.adapters.blocking_connection import BlockingChannel
 from pika.spec import Basic, BasicProperties
 
-from shared.transport.base import Delivery, Handler, Transport, Unroutable
+from shared import metrics
+from shared.transport.base import BrokerUnavailable, Delivery, Handler, Transport, Unroutable
+from shared.transport.urls import redact, scrub, split_urls
+
+__all__ = ["AmqpTransport", "BrokerOptions", "BrokerUnavailable", "broker_reachable", "queue_arguments"]
 
 log = logging.getLogger(__name__)
 
@@ -54,19 +74,74 @@ _CONNECTION_ERRORS = (
     pika.exceptions.ChannelClosedByBroker,
     ConnectionResetError,
 )
+#: reply codes that say "you may not" or "not like this" rather than "not now": retrying cannot help
+_PERMANENT = (403, 406)
+
+QueueType = Literal["classic", "quorum"]
+
+
+class _PublishRefused(Exception):
+    """A publish the broker kept refusing on fresh channels: handled like a lost connection."""
+
+
+@dataclass(frozen=True)
+class BrokerOptions:
+    """How a transport uses the broker; the defaults are the settings' (``shared.config.Settings``)."""
+
+    queue_type: QueueType = "classic"
+    reconnect_budget_s: float = 120.0
+    backoff_s: float = 0.25
+    backoff_max_s: float = 5.0
+    publish_retries: int = 8
+
+    @classmethod
+    def from_settings(cls) -> BrokerOptions:
+        """From the process environment, so every transport of a deployment agrees on the queue
+        type (RabbitMQ refuses a re-declaration with another type)."""
+        from shared.config import Settings
+
+        s = Settings()
+        return cls(
+            queue_type=s.rabbitmq_queue_type,
+            reconnect_budget_s=s.reconnect_budget_s,
+            backoff_s=s.reconnect_backoff_s,
+            backoff_max_s=s.reconnect_backoff_max_s,
+            publish_retries=s.publish_retries,
+        )
+
+
+def queue_arguments(
+    queue_type: QueueType, dead_letter_exchange: str | None, expires_s: float | None
+) -> dict[str, Any]:
+    """The ``queue.declare`` arguments of a fedfleet queue.
+
+    A classic queue is declared without ``x-queue-type`` (as before the setting existed, so queues
+    of a running deployment keep their declaration); a quorum queue carries it on every declaration.
+    Both take ``x-expires`` (the session queues of hosts and aggregators) and a dead-letter exchange.
+    """
+    args: dict[str, Any] = {}
+    if queue_type == "quorum":
+        args["x-queue-type"] = "quorum"
+    if dead_letter_exchange is not None:
+        args["x-dead-letter-exchange"] = dead_letter_exchange
+    if expires_s is not None:
+        args["x-expires"] = int(expires_s * 1000)
+    return args
 
 
 def broker_reachable(url: str, timeout: float = 3.0) -> bool:
-    """True if an AMQP connection to ``url`` can be opened now."""
-    params = pika.URLParameters(url)
-    params.socket_timeout = timeout
-    params.connection_attempts = 1
-    params.blocked_connection_timeout = timeout
-    try:
-        pika.BlockingConnection(params).close()
-        return True
-    except Exception:
-        return False
+    """True if an AMQP connection to one of the addresses of ``url`` can be opened now."""
+    for one in split_urls(url):
+        params = pika.URLParameters(one)
+        params.socket_timeout = timeout
+        params.connection_attempts = 1
+        params.blocked_connection_timeout = timeout
+        try:
+            pika.BlockingConnection(params).close()
+            return True
+        except Exception:
+            continue
+    return False
 
 
 class AmqpTransport(Transport):
@@ -77,21 +152,28 @@ class AmqpTransport(Transport):
         url: str,
         experiment: str,
         *,
-        reconnect_timeout_s: float = 120.0,
+        options: BrokerOptions | None = None,
         heartbeat_s: int = 30,
         declare_topology: bool = True,
     ) -> None:
         super().__init__(experiment)
         self.url = url
+        self.urls = split_urls(url)
         self.user = self.url_user(url)
+        self.options = options if options is not None else BrokerOptions.from_settings()
         self.declare_topology = declare_topology
-        self.reconnect_timeout_s = reconnect_timeout_s
         self.heartbeat_s = heartbeat_s
         self._queues: dict[str, list[str]] = {}
         self._expires: dict[str, float] = {}
         self._consumers: list[tuple[str, Handler, int]] = []
+        #: consumer tag -> its consumer, to re-subscribe what the broker cancels
+        self._tags: dict[str, tuple[str, Handler, int]] = {}
+        self._cancelled: list[tuple[str, Handler, int]] = []
+        #: the address in use (an index into ``urls``); a loss moves on to the next one
+        self._address = 0
         self._conn: pika.BlockingConnection | None = None
         self._ch: BlockingChannel | None = None
+        self._pub: BlockingChannel | None = None
         self._generation = 0
         self._tx: BlockingChannel | None = None
         self._tx_generation = -1
@@ -101,41 +183,54 @@ class AmqpTransport(Transport):
         self._deferred: deque[tuple[Handler, Delivery]] = deque()
         self._connect(first=True)
 
+    @property
+    def address(self) -> str:
+        """The address in use, redacted (for logs and tests)."""
+        return redact(self.urls[self._address])
+
     # -- connection management -------------------------------------------------------------------
-    def _open(self) -> None:
-        params = pika.URLParameters(self.url)
+    def _open(self, url: str) -> None:
+        params = pika.URLParameters(url)
         params.heartbeat = self.heartbeat_s
         params.blocked_connection_timeout = 300
         params.connection_attempts = 1
+        params.socket_timeout = 5
         self._conn = pika.BlockingConnection(params)
         ch = self._conn.channel()
-        ch.confirm_delivery()
         if self.declare_topology:
             ch.exchange_declare(self.names.exchange, exchange_type="topic", durable=True)
             ch.exchange_declare(self.names.dead_letter_exchange, exchange_type="fanout", durable=True)
-            ch.queue_declare(self.names.dead_letter_queue, durable=True)
-            ch.queue_bind(self.names.dead_letter_queue, self.names.dead_letter_exchange)
+            self._declare_dead_letter_queue(ch)
         else:
             ch = self._await_topology(ch)
+        ch.add_on_cancel_callback(self._on_cancel)
         self._ch = ch
+        self._pub = None
         self._generation += 1
         # deliveries of the lost channel can no longer be acked; the broker redelivers them
         self._deferred.clear()
+        self._cancelled.clear()
+        self._tags.clear()
         for queue, keys in self._queues.items():
             self._declare(queue, keys)
         for queue, handler, prefetch in self._consumers:
             self._start_consumer(queue, handler, prefetch)
 
+    def _declare_dead_letter_queue(self, ch: BlockingChannel) -> None:
+        args = queue_arguments(self.options.queue_type, None, None)
+        ch.queue_declare(self.names.dead_letter_queue, durable=True, arguments=args or None)
+        ch.queue_bind(self.names.dead_letter_queue, self.names.dead_letter_exchange)
+
     @staticmethod
     def url_user(url: str) -> str:
-        """The user an AMQP URL logs in as."""
-        return str(pika.URLParameters(url).credentials.username)
+        """The user an AMQP URL (the first of a ``;``-separated list) logs in as."""
+        return str(pika.URLParameters(split_urls(url)[0]).credentials.username)
 
     def _await_topology(self, ch: BlockingChannel) -> BlockingChannel:
         """Wait until the owner has declared the experiment's exchanges (passive declares: a channel
         that finds one missing is closed by the broker, so each try uses a fresh one)."""
         assert self._conn is not None
-        deadline = time.monotonic() + self.reconnect_timeout_s
+        deadline = time.monotonic() + self.options.reconnect_budget_s
         while True:
             try:
                 ch.exchange_declare(self.names.exchange, passive=True)
@@ -150,46 +245,108 @@ class AmqpTransport(Transport):
                 )
                 self._conn.sleep(0.5)
                 ch = self._conn.channel()
-                ch.confirm_delivery()
 
     def _connect(self, first: bool = False) -> None:
-        deadline = time.monotonic() + self.reconnect_timeout_s
-        delay = 0.25
+        """Connect to the first address that answers, starting at the current one (after a loss the
+        caller has moved it on); pass over the list again with backoff until the budget is spent."""
+        deadline = time.monotonic() + self.options.reconnect_budget_s
+        delay = self.options.backoff_s
+        errors: dict[str, str] = {}
         while True:
-            try:
-                self._open()
+            for step in range(len(self.urls)):
+                index = (self._address + step) % len(self.urls)
+                try:
+                    self._open(self.urls[index])
+                except _CONNECTION_ERRORS as err:
+                    if (
+                        isinstance(err, pika.exceptions.ChannelClosedByBroker)
+                        and err.reply_code in _PERMANENT
+                    ):
+                        self._safe_close()
+                        raise BrokerUnavailable(self._describe(f"refused: {err}")) from None
+                    errors[redact(self.urls[index])] = scrub(str(err) or type(err).__name__, self.urls)
+                    self._safe_close()
+                    continue
+                self._address = index
                 if not first:
-                    log.warning("reconnected to the broker", extra={"event": "amqp_reconnected"})
+                    metrics.BROKER_RECONNECTS.labels(self.names.experiment).inc()
+                    log.warning(
+                        "reconnected to the broker at %s",
+                        redact(self.urls[index]),
+                        extra={"event": "amqp_reconnected"},
+                    )
                 return
-            except _CONNECTION_ERRORS as err:
-                if time.monotonic() + delay > deadline:
-                    raise ConnectionError(f"cannot reach RabbitMQ at {_redact(self.url)}: {err}") from err
-                log.warning(
-                    "broker unreachable, retrying in %.2fs: %s", delay, err, extra={"event": "amqp_retry"}
+            if time.monotonic() + delay > deadline:
+                last = "; ".join(f"{addr}: {why}" for addr, why in errors.items())
+                raise BrokerUnavailable(
+                    self._describe(f"no address usable within {self.options.reconnect_budget_s:g}s ({last})")
                 )
-                time.sleep(delay)
-                delay = min(delay * 2, 5.0)
+            log.warning(
+                "no broker address could be used, retrying in %.2fs: %s",
+                delay,
+                "; ".join(f"{addr}: {why}" for addr, why in errors.items()),
+                extra={"event": "amqp_retry", "f_addresses": [redact(u) for u in self.urls]},
+            )
+            time.sleep(delay)
+            delay = min(delay * 2, self.options.backoff_max_s)
+
+    def _describe(self, why: str) -> str:
+        addresses = ", ".join(redact(u) for u in self.urls)
+        return scrub(f"cannot reach RabbitMQ at {addresses}: {why}", self.urls).replace("\n", " ")
+
+    def _reconnect(self, err: BaseException) -> None:
+        """After a loss: drop the connection and go on with the next address."""
+        log.warning(
+            "broker connection lost at %s (%s); reconnecting",
+            redact(self.urls[self._address]),
+            scrub(str(err) or type(err).__name__, self.urls),
+            extra={"event": "amqp_lost"},
+        )
+        self._safe_close()
+        self._address = (self._address + 1) % len(self.urls)
+        self._connect()
 
     def _with_reconnect(self, fn: Callable[[], T]) -> T:
-        for _attempt in range(5):
+        """Run ``fn``; after a lost connection reconnect (within the budget) and run it again.
+
+        A refusal (403, 406) is raised as it is: no reconnect makes it succeed. If a handler already
+        reconnected inside ``fn`` (the old connection then fails under it), the new connection is
+        used as it is.
+        """
+        deadline = time.monotonic() + self.options.reconnect_budget_s
+        while True:
+            generation = self._generation
             try:
                 return fn()
-            except _CONNECTION_ERRORS as err:
-                log.warning("broker connection lost (%s); reconnecting", err, extra={"event": "amqp_lost"})
-                self._safe_close()
-                self._connect()
-        return fn()
+            except (*_CONNECTION_ERRORS, _PublishRefused) as err:
+                if isinstance(err, pika.exceptions.ChannelClosedByBroker) and err.reply_code in _PERMANENT:
+                    self._reset_channel()
+                    raise
+                if time.monotonic() > deadline:
+                    raise BrokerUnavailable(
+                        self._describe(f"still failing after reconnects: {err}")
+                    ) from None
+                if self._generation != generation and self._conn is not None and self._conn.is_open:
+                    continue
+                self._reconnect(err)
+
+    def _reset_channel(self) -> None:
+        """After a refusal closed the main channel: a fresh one, with the consumers on it again."""
+        if self._conn is not None and self._conn.is_open and (self._ch is None or not self._ch.is_open):
+            self._safe_close()
+            self._connect()
 
     @property
     def channel(self) -> BlockingChannel:
-        assert self._ch is not None
+        if self._ch is None:  # only after an exhausted reconnect budget, which raised already
+            raise BrokerUnavailable(self._describe("not connected"))
         return self._ch
 
     # -- topology --------------------------------------------------------------------------------
     def _declare(self, queue: str, keys: Sequence[str]) -> None:
-        args: dict[str, Any] = {"x-dead-letter-exchange": self.names.dead_letter_exchange}
-        if queue in self._expires:
-            args["x-expires"] = int(self._expires[queue] * 1000)
+        args = queue_arguments(
+            self.options.queue_type, self.names.dead_letter_exchange, self._expires.get(queue)
+        )
         self.channel.queue_declare(queue, durable=True, arguments=args)
         for key in keys:
             self.channel.queue_bind(queue, self.names.exchange, routing_key=key)
@@ -207,7 +364,7 @@ class AmqpTransport(Transport):
         self.declare_queue(queue, [key])
 
     def wait_for_queue(self, queue: str) -> None:
-        deadline = time.monotonic() + self.reconnect_timeout_s
+        deadline = time.monotonic() + self.options.reconnect_budget_s
         while True:
             try:
                 self.channel.queue_declare(queue, passive=True)
@@ -219,7 +376,7 @@ class AmqpTransport(Transport):
                 log.info("waiting for queue %s", queue, extra={"event": "amqp_await_queue"})
                 self._conn.sleep(0.5)
                 self._ch = self._conn.channel()
-                self._ch.confirm_delivery()
+                self._ch.add_on_cancel_callback(self._on_cancel)
 
     def unbind(self, queue: str, key: str) -> None:
         keys = self._queues.get(queue, [])
@@ -228,20 +385,59 @@ class AmqpTransport(Transport):
         self._with_reconnect(lambda: self.channel.queue_unbind(queue, self.names.exchange, routing_key=key))
 
     # -- publishing ------------------------------------------------------------------------------
-    def publish(self, key: str, body: bytes, headers: dict[str, Any] | None = None) -> None:
-        props = BasicProperties(delivery_mode=2, headers=headers or None, user_id=self.user)
+    def _publish_channel(self) -> BlockingChannel:
+        """The channel publishes go on (confirm mode), apart from the consumers' channel so that a
+        refused publish that closes it costs no consumer its unacked deliveries."""
+        if self._pub is None or not self._pub.is_open:
+            if self._conn is None or not self._conn.is_open:
+                raise pika.exceptions.ConnectionWrongStateError("not connected")
+            self._pub = self._conn.channel()
+            self._pub.confirm_delivery()
+        return self._pub
 
-        def _pub() -> None:
+    def _confirmed(
+        self, exchange: str, key: str, body: bytes, props: BasicProperties, mandatory: bool
+    ) -> None:
+        """Publish and wait for the broker's confirm; a NACK or a channel the broker closed is
+        retried on a fresh channel (bounded, counted); ``_PublishRefused`` once the retries are spent."""
+        pause = 0.05
+        for attempt in range(self.options.publish_retries + 1):
             try:
-                self.channel.basic_publish(self.names.exchange, key, body, props, mandatory=True)
+                self._publish_channel().basic_publish(exchange, key, body, props, mandatory=mandatory)
+                return
             except pika.exceptions.UnroutableError as err:
                 raise Unroutable(key) from err
+            except pika.exceptions.NackError:
+                reason = "nack"
+            except (pika.exceptions.ChannelClosedByBroker, pika.exceptions.ChannelWrongStateError) as err:
+                if self._conn is None or not self._conn.is_open:
+                    raise
+                if isinstance(err, pika.exceptions.ChannelClosedByBroker) and err.reply_code in _PERMANENT:
+                    self._pub = None
+                    raise
+                reason = "channel-closed"
+            self._pub = None
+            if attempt == self.options.publish_retries:
+                break
+            metrics.BROKER_PUBLISH_RETRIES.labels(self.names.experiment, reason).inc()
+            log.warning(
+                "the broker refused a publish (%s); retrying on a fresh channel",
+                reason,
+                extra={"event": "amqp_publish_retry", "reason": reason},
+            )
+            assert self._conn is not None
+            self._conn.sleep(pause)
+            pause = min(pause * 2, 1.0)
+        raise _PublishRefused(f"publish to {key!r} refused {self.options.publish_retries + 1} times")
 
-        self._with_reconnect(_pub)
+    def publish(self, key: str, body: bytes, headers: dict[str, Any] | None = None) -> None:
+        props = BasicProperties(delivery_mode=2, headers=headers or None, user_id=self.user)
+        self._with_reconnect(lambda: self._confirmed(self.names.exchange, key, body, props, mandatory=True))
 
     def publish_reply(self, reply_to: str, body: bytes) -> None:
         # Not mandatory: RabbitMQ returns direct replies as unroutable even when they are delivered,
-        # and pika would log the returned body — a reply may hold credentials.
+        # and pika would log the returned body — a reply may hold credentials. Direct reply-to goes
+        # to the asking connection only, so it uses the channel the request came on (not confirmed).
         props = BasicProperties(user_id=self.user)
         self._with_reconnect(lambda: self.channel.basic_publish("", reply_to, body, props))
 
@@ -258,24 +454,45 @@ class AmqpTransport(Transport):
             self._tx, self._tx_generation = ch, self._generation
         return self._tx
 
+    def _commit_batch(self, items: Sequence[tuple[str, bytes]], props: BasicProperties) -> set[str]:
+        """One transaction; a commit the broker fails (a leader election) is retried like a NACK."""
+        for attempt in range(self.options.publish_retries + 1):
+            try:
+                ch = self._batch_channel()
+                self._returned.clear()
+                for key, body in items:
+                    ch.basic_publish(self.names.exchange, key, body, props, mandatory=True)
+                ch.tx_commit()
+                break
+            except (pika.exceptions.ChannelClosedByBroker, pika.exceptions.ChannelWrongStateError) as err:
+                if self._conn is None or not self._conn.is_open:
+                    raise
+                if isinstance(err, pika.exceptions.ChannelClosedByBroker) and err.reply_code in _PERMANENT:
+                    raise
+                self._tx = None
+                if attempt == self.options.publish_retries:
+                    raise _PublishRefused(f"batch commit refused {attempt + 1} times") from err
+                metrics.BROKER_PUBLISH_RETRIES.labels(self.names.experiment, "channel-closed").inc()
+                log.warning(
+                    "the broker failed a batch commit; retrying on a fresh channel",
+                    extra={"event": "amqp_publish_retry", "reason": "channel-closed"},
+                )
+                self._conn.sleep(0.05 * 2 ** min(attempt, 4))
+        assert self._conn is not None
+        self._publishing += 1
+        try:  # dispatch the basic.return callbacks; consumer deliveries are deferred
+            self._conn.process_data_events(0)
+        finally:
+            self._publishing -= 1
+        return set(self._returned)
+
     def publish_many(self, items: Sequence[tuple[str, bytes]]) -> set[str]:
+        if self.options.queue_type == "quorum":
+            # A transaction's commit is no promise that a quorum queue in the middle of a leader
+            # election took the messages; a publisher confirm is. One confirm per message, then.
+            return super().publish_many(items)
         props = BasicProperties(delivery_mode=2, user_id=self.user)
-
-        def _pub() -> set[str]:
-            ch = self._batch_channel()
-            self._returned.clear()
-            for key, body in items:
-                ch.basic_publish(self.names.exchange, key, body, props, mandatory=True)
-            ch.tx_commit()
-            assert self._conn is not None
-            self._publishing += 1
-            try:  # dispatch the basic.return callbacks; consumer deliveries are deferred
-                self._conn.process_data_events(0)
-            finally:
-                self._publishing -= 1
-            return set(self._returned)
-
-        return self._with_reconnect(_pub)
+        return self._with_reconnect(lambda: self._commit_batch(items, props))
 
     # -- consuming -------------------------------------------------------------------------------
     def _start_consumer(self, queue: str, handler: Handler, prefetch: int) -> None:
@@ -311,7 +528,29 @@ class AmqpTransport(Transport):
             else:
                 handler(d)
 
-        ch.basic_consume(queue, on_message, auto_ack=False)
+        tag = ch.basic_consume(queue, on_message, auto_ack=False)
+        self._tags[tag] = (queue, handler, prefetch)
+
+    def _on_cancel(self, frame: pika.frame.Method[Basic.Cancel]) -> None:
+        """The broker cancelled a consumer (its queue's node or leader is gone). Noted here and
+        re-subscribed from ``process``: pika calls this while it dispatches, not a place to block."""
+        consumer = self._tags.pop(frame.method.consumer_tag, None)
+        if consumer is not None:
+            self._cancelled.append(consumer)
+
+    def _resubscribe(self) -> None:
+        while self._cancelled:
+            queue, handler, prefetch = self._cancelled[0]
+            metrics.BROKER_CONSUMER_CANCELS.labels(self.names.experiment).inc()
+            log.warning(
+                "the broker cancelled the consumer of %s; declaring it again and re-subscribing",
+                queue,
+                extra={"event": "amqp_consumer_cancelled"},
+            )
+            if queue in self._queues:
+                self._declare(queue, self._queues[queue])
+            self._start_consumer(queue, handler, prefetch)
+            self._cancelled.pop(0)
 
     def consume(self, queue: str, handler: Handler, prefetch: int) -> None:
         self._consumers.append((queue, handler, prefetch))
@@ -325,12 +564,22 @@ class AmqpTransport(Transport):
             return
 
         def _run() -> None:
+            if self._cancelled:
+                self._resubscribe()
             assert self._conn is not None
             self._conn.process_data_events(time_limit=timeout)
+            if self._cancelled:
+                self._resubscribe()
 
         self._with_reconnect(_run)
 
     def dead_letter(self, delivery: Delivery, reason: str, detail: str) -> None:
+        """Publish to the dead-letter exchange (confirmed, mandatory), then ack the original.
+
+        If the dead letter cannot be confirmed on this connection, the original is left
+        unacknowledged: the lost connection returns it to its queue and it is handled (and
+        dead-lettered) again, so a dead letter is never acked away without being stored.
+        """
         headers = dict(delivery.headers)
         headers.update(
             {
@@ -343,10 +592,34 @@ class AmqpTransport(Transport):
         if delivery.user_id:
             headers["x-fedfleet-user"] = delivery.user_id
         props = BasicProperties(delivery_mode=2, headers=headers, user_id=self.user)
-        self._with_reconnect(
-            lambda: self.channel.basic_publish(self.names.dead_letter_exchange, "", delivery.body, props)
-        )
-        delivery.ack()
+        generation = self._generation
+        try:
+            try:
+                self._confirmed(self.names.dead_letter_exchange, "", delivery.body, props, mandatory=True)
+            except Unroutable:
+                if not self.declare_topology:
+                    raise
+                # someone deleted the dead-letter queue: the owner declares it again and retries
+                self._declare_dead_letter_queue(self.channel)
+                self._confirmed(self.names.dead_letter_exchange, "", delivery.body, props, mandatory=True)
+        except Unroutable:
+            log.error(
+                "no dead-letter queue to take a %s message; it goes back to its queue",
+                delivery.routing_key,
+                extra={"event": "amqp_dead_letter_failed", "reason": reason},
+            )
+            delivery.nack(requeue=True)
+            return
+        except (*_CONNECTION_ERRORS, _PublishRefused) as err:
+            log.error(
+                "could not store a dead letter (%s); the original stays unacknowledged",
+                scrub(str(err), self.urls),
+                extra={"event": "amqp_dead_letter_failed", "reason": reason},
+            )
+            self._reconnect(err)
+            return
+        if generation == self._generation:
+            delivery.ack()
 
     def queue_depth(self, queue: str) -> int:
         def _depth() -> int:
@@ -359,6 +632,7 @@ class AmqpTransport(Transport):
         """Delete the experiment's queues and exchanges, on a fresh channel (passive errors close it)."""
         assert self._conn is not None
         for queue in dict.fromkeys([*self._queues, *queues, self.names.dead_letter_queue]):
+            self._forget(queue)
             try:
                 self.channel.queue_delete(queue)
             except pika.exceptions.ChannelClosedByBroker:
@@ -369,8 +643,17 @@ class AmqpTransport(Transport):
             except pika.exceptions.ChannelClosedByBroker:
                 self._ch = self._conn.channel()
 
-    def delete_queue(self, queue: str) -> None:
+    def _forget(self, queue: str) -> None:
+        """Stop declaring and consuming ``queue``: the broker's ``basic.cancel`` that follows its
+        deletion is then no reason to subscribe again (an aggregator deletes its queue at stop)."""
         self._queues.pop(queue, None)
+        self._expires.pop(queue, None)
+        self._consumers = [c for c in self._consumers if c[0] != queue]
+        self._cancelled = [c for c in self._cancelled if c[0] != queue]
+        self._tags = {tag: c for tag, c in self._tags.items() if c[0] != queue}
+
+    def delete_queue(self, queue: str) -> None:
+        self._forget(queue)
         self._with_reconnect(lambda: self.channel.queue_delete(queue))
 
     def _safe_close(self) -> None:
@@ -381,11 +664,7 @@ class AmqpTransport(Transport):
             pass
         self._conn = None
         self._ch = None
+        self._pub = None
 
     def close(self) -> None:
         self._safe_close()
-
-
-def _redact(url: str) -> str:
-    params = pika.URLParameters(url)
-    return f"amqp://{params.host}:{params.port}{params.virtual_host and '/' + params.virtual_host}"

@@ -108,6 +108,11 @@ class Unroutable(Exception):
     """A message no queue is bound for (e.g. a task for a device whose client is gone)."""
 
 
+class BrokerUnavailable(ConnectionError):
+    """No broker address answered within the reconnect budget. Its message is one line naming the
+    addresses tried (passwords redacted): what a service prints before it exits non-zero."""
+
+
 class Transport(ABC):
     """What services need from a message broker."""
 

@@ -1,0 +1,228 @@
+"""One contract, every transport: the in-process broker and RabbitMQ (classic and quorum queues).
+
+Why one suite: the services are written once against ``shared.transport.Transport``, and a run in
+one process must end like a run over RabbitMQ. The semantics they rely on — order within a queue,
+redelivery of what a dead consumer held, dead letters that say why, the size limit, and a publish
+that returns only once the broker has the message — are tested here with the same code against each
+implementation, so an implementation that drifts fails the same test the others pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from services.common import ServiceBase
+from shared.transport import Delivery, Transport, Unroutable
+from shared.transport.inproc import InprocBroker, InprocTransport
+
+#: a transport factory: every transport it makes talks to the same broker and experiment
+Factory = Callable[[], Transport]
+
+KINDS = ["inproc", "amqp-classic", "amqp-quorum"]
+
+
+@pytest.fixture(params=KINDS)
+def make(request: pytest.FixtureRequest, experiment_id: str) -> Iterator[Factory]:
+    made: list[Transport] = []
+    if request.param == "inproc":
+        broker = InprocBroker()
+
+        def inproc() -> Transport:
+            t = InprocTransport(broker, experiment_id)
+            made.append(t)
+            return t
+
+        yield inproc
+        return
+    request.applymarker(pytest.mark.broker)
+    url: str = request.getfixturevalue("broker_url")
+    from shared.transport.amqp import AmqpTransport, BrokerOptions
+
+    options = BrokerOptions(queue_type="quorum" if request.param == "amqp-quorum" else "classic")
+
+    def amqp() -> Transport:
+        t = AmqpTransport(url, experiment_id, options=options)
+        made.append(t)
+        return t
+
+    try:
+        yield amqp
+    finally:
+        queues = [f"ff.{experiment_id}.{name}" for name in ("work", "other")]
+        cleaner = AmqpTransport(url, experiment_id, options=options)
+        cleaner.delete_experiment(queues)
+        cleaner.close()
+        for t in made:
+            t.close()
+
+
+def _pump(transports: list[Transport], until: Callable[[], bool], rounds: int = 400) -> None:
+    """Process every transport until ``until()`` holds (a bounded number of passes, no clock)."""
+    for _ in range(rounds):
+        if until():
+            return
+        for t in transports:
+            t.process(0.02)
+
+
+def _keep(into: list[Delivery]) -> Callable[[Delivery], None]:
+    """A handler that keeps and acks every delivery."""
+
+    def handler(d: Delivery) -> None:
+        into.append(d)
+        d.ack()
+
+    return handler
+
+
+def _bodies(got: list[Delivery]) -> list[bytes]:
+    return [d.body for d in got]
+
+
+def _queue(t: Transport, name: str = "work") -> str:
+    return f"{t.names.exchange}.{name}"
+
+
+def test_order_within_a_queue_is_the_publish_order(make: Factory) -> None:
+    t = make()
+    q = _queue(t)
+    t.declare_queue(q, ["k"])
+    got: list[Delivery] = []
+    t.consume(q, _keep(got), prefetch=1)
+    sent = [f"m{i}".encode() for i in range(40)]
+    for body in sent:
+        t.publish("k", body)
+    _pump([t], lambda: len(got) == len(sent))
+    assert _bodies(got) == sent
+
+
+def test_batch_keeps_order_and_reports_unroutable(make: Factory) -> None:
+    t = make()
+    q = _queue(t)
+    t.declare_queue(q, ["k"])
+    got: list[Delivery] = []
+    t.consume(q, _keep(got), prefetch=4)
+    unroutable = t.publish_many([("k", b"a"), ("nobody", b"x"), ("k", b"b"), ("k", b"c")])
+    assert unroutable == {"nobody"}
+    _pump([t], lambda: len(got) == 3)
+    assert _bodies(got) == [b"a", b"b", b"c"]
+
+
+def test_a_dead_consumers_messages_are_redelivered_to_another(make: Factory) -> None:
+    a, b = make(), make()
+    q = _queue(a)
+    a.declare_queue(q, ["k"])
+    held: list[Delivery] = []
+    a.consume(q, held.append, prefetch=10)  # never acks: a process that dies mid-work
+    for i in range(3):
+        a.publish("k", f"m{i}".encode())
+    _pump([a], lambda: len(held) == 3)
+    assert [d.redelivered for d in held] == [False] * 3
+    a.close()  # the consumer dies with three unacked messages
+    got: list[Delivery] = []
+    b.consume(q, _keep(got), prefetch=10)
+    _pump([b], lambda: len(got) == 3)
+    assert sorted(d.body for d in got) == [b"m0", b"m1", b"m2"]
+    assert all(d.redelivered for d in got)
+
+
+def test_nack_with_requeue_redelivers_and_without_drops(make: Factory) -> None:
+    t = make()
+    q = _queue(t)
+    t.declare_queue(q, ["k"])
+    seen: list[tuple[bytes, bool]] = []
+
+    def handler(d: Delivery) -> None:
+        seen.append((d.body, d.redelivered))
+        if d.body == b"again" and not d.redelivered:
+            d.nack(requeue=True)
+        elif d.body == b"drop":
+            d.nack(requeue=False)
+        else:
+            d.ack()
+
+    t.consume(q, handler, prefetch=1)
+    t.publish("k", b"again")
+    t.publish("k", b"drop")
+    _pump([t], lambda: len(seen) == 3)
+    assert (b"again", False) in seen and (b"again", True) in seen
+    assert seen.count((b"drop", False)) == 1
+    _pump([t], lambda: False, rounds=5)
+    assert len(seen) == 3
+    assert t.queue_depth(q) == 0
+
+
+def _dead_letters(t: Transport, count: int) -> list[Delivery]:
+    got: list[Delivery] = []
+    t.consume(t.names.dead_letter_queue, _keep(got), prefetch=16)
+    _pump([t], lambda: len(got) >= count)
+    return got
+
+
+def test_dead_letters_carry_their_reason_and_leave_the_queue(make: Factory) -> None:
+    t, reader = make(), make()
+    q = _queue(t)
+    t.declare_queue(q, ["k"])
+    t.consume(q, lambda d: t.dead_letter(d, "schema", "field 'seq' is missing"), prefetch=4)
+    t.publish("k", b"bad message")
+    _pump([t], lambda: t.queue_depth(t.names.dead_letter_queue) == 1)
+    got = _dead_letters(reader, 1)
+    assert [d.body for d in got] == [b"bad message"]
+    assert got[0].headers["x-fedfleet-reason"] == "schema"
+    assert got[0].headers["x-fedfleet-detail"] == "field 'seq' is missing"
+    assert t.queue_depth(q) == 0  # the original was acked, not left to come back
+
+
+class _Sink(ServiceBase):
+    """The smallest service: only ``dispatch``'s checks, no handlers of its own."""
+
+    service = "server"
+
+    def __init__(self, transport: Transport, max_bytes: int) -> None:
+        super().__init__(transport, transport.names.experiment, "fedavg", max_bytes)
+
+
+def test_a_message_over_the_size_limit_is_dead_lettered_unread(make: Factory) -> None:
+    t, reader = make(), make()
+    sink = _Sink(t, max_bytes=1024)
+    q = _queue(t)
+    t.declare_queue(q, ["k"])
+    handled: list[Delivery] = []
+
+    def handler(d: Delivery) -> None:
+        handled.append(d)
+        sink.dispatch(d, {})
+
+    t.consume(q, handler, prefetch=4)
+    t.publish("k", b"\x00" * 1025)
+    _pump([t], lambda: t.queue_depth(t.names.dead_letter_queue) == 1)
+    got = _dead_letters(reader, 1)
+    assert [d.headers["x-fedfleet-reason"] for d in got] == ["oversized"]
+    assert len(got[0].body) == 1025
+    assert len(handled) == 1 and handled[0].settled
+
+
+def test_publish_returns_once_the_broker_holds_the_message(make: Factory) -> None:
+    """Publisher confirms: without any consumer or ``process``, a published message is counted in
+    its queue as soon as ``publish`` returns, and one nobody is bound for is an error."""
+    t = make()
+    q = _queue(t)
+    t.declare_queue(q, ["k"])
+    for i in range(5):
+        t.publish("k", f"m{i}".encode())
+        assert t.queue_depth(q) == i + 1
+    with pytest.raises(Unroutable):
+        t.publish("nobody.listens", b"lost?")
+    assert t.queue_depth(q) == 5
+
+
+def test_every_queue_bound_to_a_key_gets_a_copy(make: Factory) -> None:
+    t = make()
+    q1, q2 = _queue(t), _queue(t, "other")
+    t.declare_queue(q1, ["all", "one"])
+    t.declare_queue(q2, ["all"])
+    t.publish("all", b"everyone")
+    t.publish("one", b"first only")
+    assert (t.queue_depth(q1), t.queue_depth(q2)) == (2, 1)
