@@ -1,8 +1,8 @@
-"""Run every benchmark (codec, envelope, rounds, transfer) and write one markdown report.
+"""Run every benchmark (codec, envelope, rounds, transfer, broker) and write one markdown report.
 
 ``make bench`` calls this.
 
-Usage: ``python benchmarks/run_all.py --out benchmarks/results.md [--only codec envelope rounds transfer]
+Usage: ``python benchmarks/run_all.py --out benchmarks/results.md [--only codec envelope rounds transfer broker]
 [--rounds 12] [--clients 2] [--aggregators 1] [--runs-dir runs]``.
 
 Why one report that starts with its own provenance: benchmark numbers are only comparable with the
@@ -37,12 +37,13 @@ for path in (str(REPO), str(BENCH_DIR)):  # the bench modules, and `shared` from
     if path not in sys.path:
         sys.path.insert(0, path)
 
+import bench_broker  # noqa: E402
 import bench_codec  # noqa: E402
 import bench_envelope  # noqa: E402
 import bench_rounds  # noqa: E402
 import bench_transfer  # noqa: E402
 
-BENCHMARKS = ("codec", "envelope", "rounds", "transfer")
+BENCHMARKS = ("codec", "envelope", "rounds", "transfer", "broker")
 
 
 def _redact(url: str) -> str:
@@ -133,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         "envelope": 1,
         "rounds": bench_rounds.step_count((10, 50), bench_rounds.TRANSPORTS),
         "transfer": bench_transfer.step_count(),
+        "broker": bench_broker.step_count(),
     }
 
     def _envelope(say: Callable[[str], None]) -> str:
@@ -163,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
         "transfer": (
             "Real-mode transfer durations",
             lambda say: bench_transfer.run(3, runs_dir=args.runs_dir, progress=say),
+        ),
+        "broker": (
+            "Classic vs quorum queues, one node vs a 3-node cluster",
+            lambda say: bench_broker.run(50, 8, runs_dir=args.runs_dir, progress=say),
         ),
     }
     failed = []

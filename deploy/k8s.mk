@@ -97,6 +97,14 @@ secrets: k8s-check-context
 	  $(K8S_NS) create secret generic grafana-admin --from-literal=admin-password="$$(gen)" >/dev/null && \
 	  $(K8S_NS) label secret grafana-admin app.kubernetes.io/part-of=fedfleet >/dev/null && \
 	  echo "created secret grafana-admin (random password)"; \
+	fi; \
+	if $(K8S_NS) get secret rabbitmq-erlang-cookie >/dev/null 2>&1; then \
+	  echo "secret rabbitmq-erlang-cookie exists (kept)"; \
+	else \
+	  $(K8S_NS) create secret generic rabbitmq-erlang-cookie \
+	    --from-literal=cookie="$$(LC_ALL=C tr -dc 'a-f0-9' </dev/urandom | head -c 64)" >/dev/null && \
+	  $(K8S_NS) label secret rabbitmq-erlang-cookie app.kubernetes.io/part-of=fedfleet >/dev/null && \
+	  echo "created secret rabbitmq-erlang-cookie (the ha overlay's 3 broker nodes share it)"; \
 	fi
 
 # An experiment is a run to completion: the server and aggregators are Jobs, the clients a Deployment

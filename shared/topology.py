@@ -73,7 +73,7 @@ QUEUES: tuple[Queue, ...] = (
         (KEY_AGGREGATORS, AGGREGATOR_KEY),
         "aggregator",
         "aggregator",
-        "600 s unused (a crashed aggregator's queue goes)",
+        "600 s unused (named by the aggregator's identity, so a restart reuses it; bound to its session's key)",
     ),
     Queue(
         "ff.{exp}.client.{host}",

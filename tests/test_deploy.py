@@ -42,7 +42,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 K8S = ROOT / "k8s"
-OVERLAYS = ("dev", "fleet-100", "prometheus-operator")
+OVERLAYS = ("dev", "fleet-100", "prometheus-operator", "ha")
 #: Kubernetes version the manifests are validated against (kubernetes-validate ships 1.25 … 1.37
 #: schemas; 1.30 is what current kind and k3d releases run by default, and older than most clusters).
 K8S_VERSION = "1.30.0"
@@ -252,9 +252,13 @@ def test_overlay_topology(overlay: str) -> None:
             "name": "rabbitmq-credentials",
             "key": f"{role}-password",
         }
-        assert env["RABBITMQ_URL"]["value"] == (
-            f"amqp://$(FEDFLEET_USER_PREFIX){role}:$(RABBITMQ_PASSWORD)@rabbitmq:5672/%2F"
-        )
+        one = f"amqp://$(FEDFLEET_USER_PREFIX){role}:$(RABBITMQ_PASSWORD)@{{host}}:5672/%2F"
+        if overlay == "ha":  # every broker pod, each kind of service starting at another one
+            urls = env["RABBITMQ_URL"]["value"].split(";")
+            hosts = [f"rabbitmq-{i}.rabbitmq-headless" for i in range(3)]
+            assert sorted(urls) == sorted(one.format(host=h) for h in hosts)
+        else:
+            assert env["RABBITMQ_URL"]["value"] == one.format(host="rabbitmq")
         secrets_seen = {
             e["valueFrom"]["secretKeyRef"]["key"]
             for e in env.values()
@@ -972,9 +976,9 @@ def test_make_up_applies_overlay_creates_secrets_and_follows_the_run(fake_kubect
     assert "registry.example/fedfleet:1.2" in images and "fedfleet:dev" not in images
     log = calls(fake_kubectl)
     created = [c for c in log if c[2:5] == ["create", "secret", "generic"]]
-    assert {c[5] for c in created} == {"rabbitmq-credentials", "grafana-admin"}
+    assert {c[5] for c in created} == {"rabbitmq-credentials", "grafana-admin", "rabbitmq-erlang-cookie"}
     literals = {arg.split("=")[1] for c in created for arg in c if arg.startswith("--from-literal=")}
-    assert literals == {"admin-password", "server-password", "aggregator-password", "join-password"}
+    assert literals == {"admin-password", "server-password", "aggregator-password", "join-password", "cookie"}
     assert ["-n", "fedfleet", "rollout", "status", "statefulset/rabbitmq", "--timeout=600s"] in log
     # the run is done: the idle client hosts are scaled away, and the user is told how to get results
     assert ["-n", "fedfleet", "scale", "deployment/clients", "--replicas=0"] in log
