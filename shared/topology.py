@@ -73,7 +73,8 @@ QUEUES: tuple[Queue, ...] = (
         (KEY_AGGREGATORS, AGGREGATOR_KEY),
         "aggregator",
         "aggregator",
-        "600 s unused (named by the aggregator's identity, so a restart reuses it; bound to its session's key)",
+        "600 s unused (named by the aggregator's identity, so a restart reuses it; "
+        "bound to its session's key)",
     ),
     Queue(
         "ff.{exp}.client.{host}",
