@@ -112,7 +112,7 @@ REPRODUCTIONS: dict[str, Reproduction] = {
             Block(
                 "fedmef-results",
                 "benchmarks/fedmef_experiment.py",
-                ("--workers", "1"),
+                ("--workers", "2"),
                 rounds_flag=False,
             ),
         ),
