@@ -20,15 +20,19 @@ checks that every committed block has the caption and table shape this module wr
 
 from __future__ import annotations
 
+import argparse
+import copy
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "algorithms"
@@ -70,8 +74,11 @@ class Reproduction:
 REPRODUCTIONS: dict[str, Reproduction] = {
     "feddse": Reproduction(
         doc="feddse.md",
-        configs=("experiments/feddse_digits.yaml",),
-        blocks=(Block("feddse-results", "benchmarks/feddse_experiment.py", ()),),
+        configs=("experiments/feddse_digits.yaml", "experiments/feddse_fashion.yaml"),
+        blocks=(
+            Block("feddse-results", "benchmarks/feddse_experiment.py", ()),
+            Block("feddse-results-fashion", "services/reproduce.py", ("grid", "feddse-fashion")),
+        ),
         baselines=("heterofl", "fedrolex", "feddropout", "fjord"),
     ),
     "hermes": Reproduction(
@@ -276,3 +283,149 @@ def tables_of(text: str) -> list[list[list[str]]]:
             tables.append(current)
             current = []
     return tables
+
+
+# -- grids: the paper-scale checks (Fashion-MNIST + a small CNN) run by this module itself ------------
+@dataclass(frozen=True)
+class Variant:
+    """One configuration of a grid: the grid's config with the algorithm (and its options) replaced."""
+
+    label: str
+    algorithm: str
+    options: tuple[tuple[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
+class Check:
+    """A spec §8 ordering claim: ``acc5(a) - acc5(b)`` has the sign ``sign`` (+1: a above b)."""
+
+    text: str
+    a: str
+    b: str
+    sign: int
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Variants of one config over seeds, and the ordering checks computed from them."""
+
+    config: str
+    setting: str  # one sentence for the table's header
+    variants: tuple[Variant, ...]
+    checks: tuple[Check, ...]
+
+
+_HOMO = (("capacity", "fixed"), ("fixed_rate", 0.25))
+GRIDS: dict[str, Grid] = {
+    "feddse-fashion": Grid(
+        config="experiments/feddse_fashion.yaml",
+        setting=(
+            "Fashion-MNIST (6,000 training images, the 10,000 test images), `lenet5_fmnist`, L = 2 classes "
+            "per device, the spec's R0 hyper-parameters (50 rounds, E = 2, B = 16, lr 0.05)"
+        ),
+        variants=(
+            Variant("high/fedavg", "fedavg"),
+            Variant("high/feddse", "feddse", (("capacity", "paper"),)),
+            Variant("high/fedrolex", "fedrolex", (("capacity", "paper"),)),
+            Variant("homo/fedrolex", "fedrolex", _HOMO),
+            Variant("homo/feddse-T0", "feddse", _HOMO),
+            Variant("homo/feddse-T1", "feddse", (*_HOMO, ("temperature", 1.0))),
+        ),
+        checks=(
+            Check("C4 high (L=2): FedDSE T=0 ≥ FedRolex (paper +3.93)", "high/feddse", "high/fedrolex", +1),
+            Check(
+                "C3 homogeneous r=1/4: FedDSE T=0 below FedRolex (paper 81.25 vs 93.35)",
+                "homo/feddse-T0",
+                "homo/fedrolex",
+                -1,
+            ),
+            Check("C3: T=1 above T=0 (paper +15.3)", "homo/feddse-T1", "homo/feddse-T0", +1),
+        ),
+    ),
+}
+
+
+def _variant_config(grid: Grid, variant: Variant, seed: int, rounds: int | None) -> dict[str, Any]:
+    import yaml
+
+    cfg: dict[str, Any] = copy.deepcopy(yaml.safe_load((ROOT / grid.config).read_text()))
+    cfg["seed"] = seed
+    cfg["name"] = f"{cfg['name']}-{variant.label.replace('/', '-')}-s{seed}"
+    cfg["algorithm"] = {"name": variant.algorithm, "options": dict(variant.options)}
+    if rounds is not None:
+        cfg["rounds"] = rounds
+    return cfg
+
+
+def _measure(run_dir: Path) -> dict[str, float]:
+    from shared.results import read_rounds
+
+    rows = read_rounds(run_dir)
+    acc = [float(r["accuracy"]) for r in rows]
+    parts = max(1, sum(int(r["participants"]) for r in rows))
+    return {
+        "acc5": 100 * statistics.fmean(acc[-5:]),
+        "final": 100 * acc[-1],
+        "down": sum(int(r["bytes_down"]) for r in rows) / parts,
+        "up": sum(int(r["bytes_up"]) for r in rows) / parts,
+    }
+
+
+def _fmt(values: list[float]) -> str:
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.fmean(values):.1f} ± {sd:.1f} ({' / '.join(f'{v:.1f}' for v in values)})"
+
+
+def run_grid(name: str, seeds: tuple[int, ...], out: Path, rounds: int | None) -> str:
+    """Run every variant of grid ``name`` over ``seeds`` (finished runs reused); return its table."""
+    from services.orchestrator import run_inproc_once
+    from shared.config import parse_config
+
+    grid = GRIDS[name]
+    res: dict[str, list[dict[str, float]]] = {}
+    for variant in grid.variants:
+        for seed in seeds:
+            cfg = _variant_config(grid, variant, seed, rounds)
+            run_dir = out / f"{variant.label.replace('/', '-')}-s{seed}"
+            run_inproc_once(parse_config(cfg, cfg["name"]), run_dir, cfg["name"])
+            res.setdefault(variant.label, []).append(_measure(run_dir))
+    n_rounds = rounds if rounds is not None else _variant_config(grid, grid.variants[0], 0, None)["rounds"]
+    lines = [
+        f"{grid.setting}. Accuracy of the global model on the test set in %, mean ± std over seeds (per "
+        f"seed in parentheses); `acc5` = mean of the last 5 of {n_rounds} rounds. Bytes: wire bytes per "
+        "participating device and round.",
+        "",
+        "| run | acc5 | final | down B/client | up B/client |",
+        "|---|---|---|---|---|",
+    ]
+    for label, runs in res.items():
+        down, up = statistics.fmean(r["down"] for r in runs), statistics.fmean(r["up"] for r in runs)
+        lines.append(
+            f"| {label} | {_fmt([r['acc5'] for r in runs])} | {_fmt([r['final'] for r in runs])} | "
+            f"{down:,.0f} | {up:,.0f} |"
+        )
+    lines += ["", "| spec §8 check | measured (points, acc5) | verdict |", "|---|---|---|"]
+    for check in grid.checks:
+        diff = [x["acc5"] - y["acc5"] for x, y in zip(res[check.a], res[check.b], strict=True)]
+        ok = statistics.fmean(diff) * check.sign > 0
+        lines.append(f"| {check.text} | {_fmt(diff)} | {'pass' if ok else '**fail**'} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python services/reproduce.py grid NAME --seeds ... --out DIR``: what a grid block runs."""
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("what", choices=["grid"])
+    ap.add_argument("name", choices=sorted(GRIDS))
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--rounds", type=int)
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    table = run_grid(args.name, tuple(args.seeds), args.out, args.rounds)
+    (args.out / "table.md").write_text(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
