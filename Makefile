@@ -59,6 +59,6 @@ clean:  ## remove run outputs and caches (keeps the venv)
 -include deploy/k8s.mk
 
 .PHONY: reproduce
-reproduce: setup  ## rerun one paper's reproduction (ALG=feddse|hermes|spafl|fedmef|embracingfl or a baseline) and rewrite its docs tables
+reproduce: setup  ## rerun a reproduction (ALG=feddse|hermes|spafl|fedmef|embracingfl|fleet or a baseline) and rewrite its docs tables
 	@test -n "$(ALG)" || { echo "usage: make reproduce ALG=<paper or baseline>"; exit 2; }
 	$(VENV)/bin/fedfleet reproduce $(ALG)

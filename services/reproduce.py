@@ -150,6 +150,15 @@ REPRODUCTIONS: dict[str, Reproduction] = {
         ),
         baselines=("lgfedavg",),
     ),
+    # not a paper: every memory-aware algorithm on one memory-limited fleet (docs/algorithms/README.md)
+    "fleet": Reproduction(
+        doc="README.md",
+        configs=("experiments/fleet_memory.yaml",),
+        blocks=(
+            Block("fleet-algorithms", "benchmarks/fleet_algorithms.py", ()),
+            Block("fleet-algorithms-lr0.3", "benchmarks/fleet_algorithms.py", ("--lr", "0.3")),
+        ),
+    ),
 }
 
 
