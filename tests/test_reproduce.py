@@ -33,6 +33,9 @@ def test_every_paper_block_has_the_commands_caption_and_shape(alg: str) -> None:
         text = blocks[block.marker]
         first = text.splitlines()[0]
         m = rp.CAPTION_RE.match(first)
+        if block.pending:
+            assert not m, f"{block.marker} was regenerated: drop its `pending` note in services/reproduce.py"
+            continue
         assert m, f"{rep.doc} {block.marker}: first line is not the reproduce caption: {first!r}"
         assert m["alg"] == alg
         assert not m["version"].endswith("-dirty"), f"{block.marker} was made from an uncommitted tree"
