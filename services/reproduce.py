@@ -80,7 +80,12 @@ REPRODUCTIONS: dict[str, Reproduction] = {
         configs=("experiments/feddse_digits.yaml", "experiments/feddse_fashion.yaml"),
         blocks=(
             Block("feddse-results", "benchmarks/feddse_experiment.py", ()),
-            Block("feddse-results-fashion", "services/reproduce.py", ("grid", "feddse-fashion")),
+            Block(
+                "feddse-results-fashion",
+                "services/reproduce.py",
+                ("grid", "feddse-fashion"),
+                pending="its 18 runs did not finish on the shared machine in the session that added it",
+            ),
         ),
         baselines=("heterofl", "fedrolex", "feddropout", "fjord"),
     ),
