@@ -44,7 +44,7 @@ CAPTION = (
 CAPTION_RE = re.compile(
     r"^Written by `make reproduce ALG=(?P<alg>[a-z0-9]+)` \((?P<date>\d{4}-\d\d-\d\d), "
     r"code `(?P<version>[^`]+)`, (?P<minutes>[\d.]+) min\): seeds (?P<seeds>[\d, ]+); "
-    r"config (?P<configs>.+?)\.(?P<note>.*)$"
+    r"config (?P<configs>`[^`]+`(?:, `[^`]+`)*)\.(?P<note>.*)$"
 )
 
 
@@ -58,6 +58,8 @@ class Block:
     #: what the script writes under --out; None: the table is what it prints (stdout)
     table: str | None = "table.md"
     rounds_flag: bool = True  # the script takes --rounds (smoke runs)
+    #: the configs this block's runs start from, when not all of the reproduction's
+    configs: tuple[str, ...] = ()
     #: why the committed block still holds a table from before this command ("" = it does not);
     #: the test requires such a block to lack the caption, so the flag cannot outlive a rerun
     pending: str = ""
@@ -79,11 +81,17 @@ REPRODUCTIONS: dict[str, Reproduction] = {
         doc="feddse.md",
         configs=("experiments/feddse_digits.yaml", "experiments/feddse_fashion.yaml"),
         blocks=(
-            Block("feddse-results", "benchmarks/feddse_experiment.py", ()),
+            Block(
+                "feddse-results",
+                "benchmarks/feddse_experiment.py",
+                (),
+                configs=("experiments/feddse_digits.yaml",),
+            ),
             Block(
                 "feddse-results-fashion",
                 "services/reproduce.py",
                 ("grid", "feddse-fashion"),
+                configs=("experiments/feddse_fashion.yaml",),
                 pending="its 18 runs did not finish on the shared machine in the session that added it",
             ),
         ),
@@ -190,15 +198,17 @@ def code_version(root: Path = ROOT) -> str:
     return out.stdout.strip()
 
 
-def caption(alg: str, version: str, seeds: tuple[int, ...], minutes: float, note: str = "") -> str:
-    rep = REPRODUCTIONS[alg]
+def caption(
+    alg: str, version: str, seeds: tuple[int, ...], minutes: float, note: str = "", block: Block | None = None
+) -> str:
+    configs = (block.configs if block is not None else ()) or REPRODUCTIONS[alg].configs
     return CAPTION.format(
         alg=alg,
         date=datetime.now(UTC).strftime("%Y-%m-%d"),
         version=version,
         minutes=minutes,
         seeds=", ".join(map(str, seeds)),
-        configs=", ".join(f"`{c}`" for c in rep.configs),
+        configs=", ".join(f"`{c}`" for c in configs),
         note=f" {note}" if note else "",
     )
 
@@ -277,7 +287,7 @@ def reproduce(
         started = time.monotonic()
         table = run_block(block, out, seeds, rounds, nice=nice)
         minutes = (time.monotonic() - started) / 60
-        text = caption(alg, version, seeds, minutes, note) + "\n\n" + table
+        text = caption(alg, version, seeds, minutes, note, block) + "\n\n" + table
         replace_block(docs_dir / rep.doc, block.marker, text)
         written.append(block.marker)
     return written
