@@ -92,7 +92,6 @@ REPRODUCTIONS: dict[str, Reproduction] = {
                 "services/reproduce.py",
                 ("grid", "feddse-fashion"),
                 configs=("experiments/feddse_fashion.yaml",),
-                pending="its 18 runs did not finish on the shared machine in the session that added it",
             ),
         ),
         baselines=("heterofl", "fedrolex", "feddropout", "fjord"),
