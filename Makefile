@@ -73,3 +73,8 @@ clean:  ## remove run outputs and caches (keeps the venv)
 	rm -rf runs .pytest_cache .mypy_cache .ruff_cache .hypothesis
 
 -include deploy/k8s.mk
+
+.PHONY: reproduce
+reproduce: setup  ## rerun a reproduction (ALG=feddse|hermes|spafl|fedmef|embracingfl|fleet or a baseline) and rewrite its docs tables
+	@test -n "$(ALG)" || { echo "usage: make reproduce ALG=<paper or baseline>"; exit 2; }
+	$(VENV)/bin/fedfleet reproduce $(ALG)

@@ -3,7 +3,8 @@
 ``make bench`` calls this.
 
 Usage: ``python benchmarks/run_all.py --out benchmarks/results.md
-[--only codec envelope rounds transfer broker] [--rounds 12] [--clients 2] [--aggregators 1] [--runs-dir runs]``.
+[--only codec envelope rounds transfer broker] [--rounds 12] [--clients 2] [--aggregators 1]
+[--runs-dir runs]``.
 
 Why one report that starts with its own provenance: benchmark numbers are only comparable with the
 command, the date and the machine (cores, CPU, and how busy it was: the load average at the start

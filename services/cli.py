@@ -619,6 +619,26 @@ def cmd_tap(args: argparse.Namespace) -> int:
     )
 
 
+# -- reproduce: a paper's result tables, rewritten from runs ---------------------------------------
+def cmd_reproduce(args: argparse.Namespace) -> int:
+    """Delegates to :mod:`services.reproduce` (the registry of docs blocks and their scripts)."""
+    from services import reproduce
+
+    try:
+        written = reproduce.reproduce(
+            args.alg,
+            seeds=tuple(args.seeds) if args.seeds else None,
+            only=tuple(args.only or ()),
+            rounds=args.rounds,
+            allow_dirty=args.allow_dirty,
+        )
+    except (ValueError, RuntimeError) as err:
+        console.print(f"[red]{err}[/red]")
+        return 2
+    console.print(f"rewrote {', '.join(written)}")
+    return 0
+
+
 # -- argument parsing ------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fedfleet", description=__doc__.splitlines()[0] if __doc__ else None)
@@ -702,6 +722,14 @@ def build_parser() -> argparse.ArgumentParser:
         "another machine, e.g. a pod whose paths do not exist here)",
     )
     val.set_defaults(fn=cmd_validate)
+
+    rp = sub.add_parser("reproduce", help="rerun a paper's reproduction and rewrite its docs tables")
+    rp.add_argument("alg", help="a paper (feddse, hermes, spafl, fedmef, embracingfl) or a baseline")
+    rp.add_argument("--seeds", type=int, nargs="+", help="default: the reproduction's (0 1 2)")
+    rp.add_argument("--only", nargs="+", metavar="MARKER", help="only these docs blocks")
+    rp.add_argument("--rounds", type=int, help="shorter runs (smoke); the caption says so")
+    rp.add_argument("--allow-dirty", action="store_true", help="run from an uncommitted tree")
+    rp.set_defaults(fn=cmd_reproduce)
 
     ref = sub.add_parser("reference", help="print every config key and algorithm option (Markdown)")
     ref.add_argument("--out", type=Path, help="write to this file instead (docs/configuration.md)")

@@ -18,6 +18,7 @@ SHAPES: dict[str, tuple[tuple[int, ...], int]] = {
     "cnn_digits": ((1, 8, 8), 10),
     "cnn": ((1, 28, 28), 62),
     "lenet5_caffe": ((1, 28, 28), 10),
+    "lenet5_fmnist": ((1, 28, 28), 10),
     "cnn7": ((3, 32, 32), 10),
     "lenet_cifar": ((3, 32, 32), 10),
     "lenet_emnist": ((1, 28, 28), 62),
@@ -71,6 +72,7 @@ def test_output_shape_and_backward(name: str) -> None:
         ("cnn", (1, 28, 28), 62, {}, 6_603_710),  # LEAF FEMNIST CNN, EmbracingFL Table 1
         ("cnn", (1, 28, 28), 62, {"hidden": 128}, 832 + 51_264 + 3136 * 128 + 128 + 129 * 62),
         ("lenet5_caffe", (1, 28, 28), 10, {}, 430_500),  # SpaFL FMNIST
+        ("lenet5_fmnist", (1, 28, 28), 10, {}, 44_426),  # LeNet-5 (1998) on 28x28
         ("lenet_cifar", (3, 32, 32), 10, {}, 62_006),  # Hermes IC-CIFAR10
         ("lenet_emnist", (1, 28, 28), 62, {}, 539_358),  # Hermes IC-EMNIST
         ("cnn_feddse", (1, 28, 28), 10, {}, 1_556_874),  # FedDSE §4.2

@@ -1,0 +1,459 @@
+"""``fedfleet reproduce ALG`` / ``make reproduce ALG=<name>``: rewrite a paper's result tables from runs.
+
+Why one command: the algorithm docs quote tables that benchmark scripts compute from real runs, and
+once the scripts' command lines lived only in prose, a table could be left from an older commit or
+an older config while its caption claimed otherwise (the FedDSE heterogeneous table once held a row
+that no command reproduced). Here every results block of ``docs/algorithms/`` is registered once,
+with the script and arguments that write it, and this module
+
+1. runs each script (the real services in process, finished runs reused) into
+   ``runs/reproduce/<alg>/<block>/``, a directory tied to one code version: runs made by another
+   version are discarded, never mixed into a table;
+2. puts a caption in front of the table the script wrote — the command, the code version
+   (``git describe --always --dirty`` of the tree that made the runs), the seeds and the configs —
+   and writes it between the block's ``<!-- marker:begin/end -->`` comments of the doc.
+
+A dirty tree is refused (the caption would name a version nobody can check out) unless
+``allow_dirty`` is set, which the smoke test uses on a copy of the doc. ``tests/test_reproduce.py``
+checks that every committed block has the caption and table shape this module writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs" / "algorithms"
+#: the first line of every generated block; ``tests/test_reproduce.py`` parses it back
+CAPTION = (
+    "Written by `make reproduce ALG={alg}` ({date}, code `{version}`, {minutes:.1f} min): "
+    "seeds {seeds}; config {configs}.{note}"
+)
+CAPTION_RE = re.compile(
+    r"^Written by `make reproduce ALG=(?P<alg>[a-z0-9]+)` \((?P<date>\d{4}-\d\d-\d\d), "
+    r"code `(?P<version>[^`]+)`, (?P<minutes>[\d.]+) min\): seeds (?P<seeds>[\d, ]+); "
+    r"config (?P<configs>`[^`]+`(?:, `[^`]+`)*)\.(?P<note>.*)$"
+)
+
+
+@dataclass(frozen=True)
+class Block:
+    """One generated block of a doc: the script that computes it and the file it leaves."""
+
+    marker: str
+    script: str  # path under the repository root
+    args: tuple[str, ...]  # the script's arguments besides --seeds / --out / --rounds
+    #: what the script writes under --out; None: the table is what it prints (stdout)
+    table: str | None = "table.md"
+    rounds_flag: bool = True  # the script takes --rounds (smoke runs)
+    #: the configs this block's runs start from, when not all of the reproduction's
+    configs: tuple[str, ...] = ()
+    #: why the committed block still holds a table from before this command ("" = it does not);
+    #: the test requires such a block to lack the caption, so the flag cannot outlive a rerun
+    pending: str = ""
+
+
+@dataclass(frozen=True)
+class Reproduction:
+    """Everything ``make reproduce ALG=<name>`` rewrites for one paper (and its baselines)."""
+
+    doc: str  # file name under docs/algorithms/
+    configs: tuple[str, ...]  # the experiment YAMLs the runs start from
+    blocks: tuple[Block, ...]
+    seeds: tuple[int, ...] = (0, 1, 2)
+    baselines: tuple[str, ...] = field(default=())
+
+
+REPRODUCTIONS: dict[str, Reproduction] = {
+    "feddse": Reproduction(
+        doc="feddse.md",
+        configs=("experiments/feddse_digits.yaml", "experiments/feddse_fashion.yaml"),
+        blocks=(
+            Block(
+                "feddse-results",
+                "benchmarks/feddse_experiment.py",
+                (),
+                configs=("experiments/feddse_digits.yaml",),
+            ),
+            Block(
+                "feddse-results-fashion",
+                "services/reproduce.py",
+                ("grid", "feddse-fashion"),
+                configs=("experiments/feddse_fashion.yaml",),
+            ),
+        ),
+        baselines=("heterofl", "fedrolex", "feddropout", "fjord"),
+    ),
+    "hermes": Reproduction(
+        doc="hermes.md",
+        configs=("experiments/hermes_digits.yaml", "experiments/hermes_digits_noisy.yaml"),
+        blocks=(Block("hermes-results", "benchmarks/hermes_experiment.py", ()),),
+    ),
+    "spafl": Reproduction(
+        doc="spafl.md",
+        configs=("experiments/spafl_digits.yaml", "experiments/spafl_digits_cnn.yaml"),
+        blocks=(
+            Block("spafl-results-mlp", "benchmarks/spafl_experiment.py", ("--alphas", "0.001", "0.003")),
+            Block(
+                "spafl-results-cnn",
+                "benchmarks/spafl_experiment.py",
+                (
+                    "--config",
+                    "experiments/spafl_digits_cnn.yaml",
+                    "--alphas",
+                    "0.001",
+                    "--variants",
+                    "SpaFL",
+                    "Local",
+                    "FedAvg",
+                ),
+            ),
+        ),
+        baselines=("local",),
+    ),
+    "fedmef": Reproduction(
+        doc="fedmef.md",
+        configs=(
+            "experiments/fedmef_digits.yaml",
+            "experiments/fedtiny_digits.yaml",
+            "experiments/feddst_digits.yaml",
+        ),
+        blocks=(
+            Block(
+                "fedmef-results",
+                "benchmarks/fedmef_experiment.py",
+                ("--workers", "2"),
+                rounds_flag=False,
+            ),
+        ),
+        baselines=("fedtiny", "feddst"),
+    ),
+    "embracingfl": Reproduction(
+        doc="embracingfl.md",
+        configs=("experiments/embracingfl_digits_mix.yaml", "experiments/lgfedavg_digits.yaml"),
+        blocks=(
+            Block(
+                "embracingfl-results-B",
+                "benchmarks/embracingfl_experiment.py",
+                ("--experiment", "B", "--alphas", "0.5"),
+                table="table_B.md",
+            ),
+            Block(
+                "embracingfl-results-A",
+                "benchmarks/embracingfl_experiment.py",
+                ("--experiment", "A", "--alphas", "0.5", "0.1"),
+                table="table_A.md",
+                pending="its 36 runs did not fit on the shared machine in the session that added the command",
+            ),
+            Block(
+                "lgfedavg-results",
+                "benchmarks/embracingfl_experiment.py",
+                ("--experiment", "LG"),
+                table=None,
+            ),
+        ),
+        baselines=("lgfedavg",),
+    ),
+    # not a paper: every memory-aware algorithm on one memory-limited fleet (docs/algorithms/README.md)
+    "fleet": Reproduction(
+        doc="README.md",
+        configs=("experiments/fleet_memory.yaml",),
+        blocks=(
+            Block("fleet-algorithms", "benchmarks/fleet_algorithms.py", ()),
+            Block("fleet-algorithms-lr0.3", "benchmarks/fleet_algorithms.py", ("--lr", "0.3")),
+        ),
+    ),
+}
+
+
+def resolve(name: str) -> str:
+    """The paper a name belongs to: a paper itself, or one of its baselines (``heterofl`` → ``feddse``)."""
+    if name in REPRODUCTIONS:
+        return name
+    for alg, rep in REPRODUCTIONS.items():
+        if name in rep.baselines:
+            return alg
+    known = sorted([*REPRODUCTIONS, *(b for r in REPRODUCTIONS.values() for b in r.baselines)])
+    raise ValueError(f"no reproduction for {name!r}; known: {', '.join(known)}")
+
+
+def code_version(root: Path = ROOT) -> str:
+    """``git describe --always --dirty`` of ``root``: the caption's code version."""
+    out = subprocess.run(
+        ["git", "describe", "--always", "--dirty"], cwd=root, capture_output=True, text=True, check=True
+    )
+    return out.stdout.strip()
+
+
+def caption(
+    alg: str, version: str, seeds: tuple[int, ...], minutes: float, note: str = "", block: Block | None = None
+) -> str:
+    configs = (block.configs if block is not None else ()) or REPRODUCTIONS[alg].configs
+    return CAPTION.format(
+        alg=alg,
+        date=datetime.now(UTC).strftime("%Y-%m-%d"),
+        version=version,
+        minutes=minutes,
+        seeds=", ".join(map(str, seeds)),
+        configs=", ".join(f"`{c}`" for c in configs),
+        note=f" {note}" if note else "",
+    )
+
+
+def _fresh_dir(out: Path, version: str) -> None:
+    """Make ``out`` a run directory of ``version``: runs of any other code version are removed."""
+    stamp = out / "code-version.txt"
+    if out.exists() and (not stamp.exists() or stamp.read_text().strip() != version):
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(version + "\n")
+
+
+def run_block(block: Block, out: Path, seeds: tuple[int, ...], rounds: int | None, *, nice: int = 15) -> str:
+    """Run one block's script into ``out`` and return the table it wrote."""
+    cmd = [sys.executable, str(ROOT / block.script), *block.args, "--seeds", *map(str, seeds)]
+    cmd += ["--out", str(out)]
+    if rounds is not None:
+        if not block.rounds_flag:
+            raise ValueError(f"{block.script} cannot shorten its runs (no --rounds)")
+        cmd += ["--rounds", str(rounds)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    def lower_priority() -> None:  # pragma: no cover - runs in the child
+        os.nice(nice)
+
+    done = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        check=True,
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=lower_priority if nice else None,
+    )
+    if block.table is None:
+        return done.stdout.rstrip()
+    return (out / block.table).read_text().rstrip()
+
+
+def replace_block(doc: Path, marker: str, text: str) -> None:
+    from shared.results import replace_doc_block
+
+    replace_doc_block(doc, marker, text)
+
+
+def reproduce(
+    name: str,
+    *,
+    seeds: tuple[int, ...] | None = None,
+    only: tuple[str, ...] = (),
+    rounds: int | None = None,
+    out_root: Path = ROOT / "runs" / "reproduce",
+    docs_dir: Path = DOCS,
+    allow_dirty: bool = False,
+    nice: int = 15,
+) -> list[str]:
+    """Run ``name``'s reproduction and rewrite its doc's blocks; returns the markers written."""
+    alg = resolve(name)
+    rep = REPRODUCTIONS[alg]
+    version = code_version()
+    if version.endswith("-dirty") and not allow_dirty:
+        raise RuntimeError(
+            f"the working tree is dirty ({version}): commit first, so the caption names a version "
+            "that can be checked out"
+        )
+    seeds = tuple(seeds) if seeds is not None else rep.seeds
+    blocks = [b for b in rep.blocks if not only or b.marker in only]
+    if not blocks:
+        raise ValueError(f"no block of {alg} among {only}; blocks: {[b.marker for b in rep.blocks]}")
+    note = f"Smoke run: {rounds} rounds instead of the configs'." if rounds is not None else ""
+    written = []
+    for block in blocks:
+        out = out_root / alg / block.marker
+        _fresh_dir(out, version)
+        started = time.monotonic()
+        table = run_block(block, out, seeds, rounds, nice=nice)
+        minutes = (time.monotonic() - started) / 60
+        text = caption(alg, version, seeds, minutes, note, block) + "\n\n" + table
+        replace_block(docs_dir / rep.doc, block.marker, text)
+        written.append(block.marker)
+    return written
+
+
+def blocks_of(doc_text: str) -> dict[str, str]:
+    """Every ``<!-- marker:begin -->`` … ``<!-- marker:end -->`` block of a doc, by marker."""
+    found = re.findall(r"<!-- ([\w.-]+):begin -->\n(.*?)\n<!-- \1:end -->", doc_text, flags=re.S)
+    return dict(found)
+
+
+def tables_of(text: str) -> list[list[list[str]]]:
+    """The Markdown tables in ``text``: each a list of rows, each a list of cell strings."""
+    tables: list[list[list[str]]] = []
+    current: list[list[str]] = []
+    for line in [*text.splitlines(), ""]:
+        if line.startswith("|"):
+            cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+            current.append(cells)
+        elif current:
+            tables.append(current)
+            current = []
+    return tables
+
+
+# -- grids: the paper-scale checks (Fashion-MNIST + a small CNN) run by this module itself ------------
+@dataclass(frozen=True)
+class Variant:
+    """One configuration of a grid: the grid's config with the algorithm (and its options) replaced."""
+
+    label: str
+    algorithm: str
+    options: tuple[tuple[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
+class Check:
+    """A spec §8 ordering claim: ``acc5(a) - acc5(b)`` has the sign ``sign`` (+1: a above b)."""
+
+    text: str
+    a: str
+    b: str
+    sign: int
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Variants of one config over seeds, and the ordering checks computed from them."""
+
+    config: str
+    setting: str  # one sentence for the table's header
+    variants: tuple[Variant, ...]
+    checks: tuple[Check, ...]
+
+
+_HOMO = (("capacity", "fixed"), ("fixed_rate", 0.25))
+GRIDS: dict[str, Grid] = {
+    "feddse-fashion": Grid(
+        config="experiments/feddse_fashion.yaml",
+        setting=(
+            "Fashion-MNIST (6,000 training images, the 10,000 test images), `lenet5_fmnist`, L = 2 classes "
+            "per device, the spec's R0 hyper-parameters (50 rounds, E = 2, B = 16, lr 0.05)"
+        ),
+        variants=(
+            Variant("high/fedavg", "fedavg"),
+            Variant("high/feddse", "feddse", (("capacity", "paper"),)),
+            Variant("high/fedrolex", "fedrolex", (("capacity", "paper"),)),
+            Variant("homo/fedrolex", "fedrolex", _HOMO),
+            Variant("homo/feddse-T0", "feddse", _HOMO),
+            Variant("homo/feddse-T1", "feddse", (*_HOMO, ("temperature", 1.0))),
+        ),
+        checks=(
+            Check("C4 high (L=2): FedDSE T=0 ≥ FedRolex (paper +3.93)", "high/feddse", "high/fedrolex", +1),
+            Check(
+                "C3 homogeneous r=1/4: FedDSE T=0 below FedRolex (paper 81.25 vs 93.35)",
+                "homo/feddse-T0",
+                "homo/fedrolex",
+                -1,
+            ),
+            Check("C3: T=1 above T=0 (paper +15.3)", "homo/feddse-T1", "homo/feddse-T0", +1),
+        ),
+    ),
+}
+
+
+def _variant_config(grid: Grid, variant: Variant, seed: int, rounds: int | None) -> dict[str, Any]:
+    import yaml
+
+    cfg: dict[str, Any] = copy.deepcopy(yaml.safe_load((ROOT / grid.config).read_text()))
+    cfg["seed"] = seed
+    cfg["name"] = f"{cfg['name']}-{variant.label.replace('/', '-')}-s{seed}"
+    cfg["algorithm"] = {"name": variant.algorithm, "options": dict(variant.options)}
+    if rounds is not None:
+        cfg["rounds"] = rounds
+    return cfg
+
+
+def _measure(run_dir: Path) -> dict[str, float]:
+    from shared.results import read_rounds
+
+    rows = read_rounds(run_dir)
+    acc = [float(r["accuracy"]) for r in rows]
+    parts = max(1, sum(int(r["participants"]) for r in rows))
+    return {
+        "acc5": 100 * statistics.fmean(acc[-5:]),
+        "final": 100 * acc[-1],
+        "down": sum(int(r["bytes_down"]) for r in rows) / parts,
+        "up": sum(int(r["bytes_up"]) for r in rows) / parts,
+    }
+
+
+def _fmt(values: list[float]) -> str:
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.fmean(values):.1f} ± {sd:.1f} ({' / '.join(f'{v:.1f}' for v in values)})"
+
+
+def run_grid(name: str, seeds: tuple[int, ...], out: Path, rounds: int | None) -> str:
+    """Run every variant of grid ``name`` over ``seeds`` (finished runs reused); return its table."""
+    from services.orchestrator import run_inproc_once
+    from shared.config import parse_config
+
+    grid = GRIDS[name]
+    res: dict[str, list[dict[str, float]]] = {}
+    for variant in grid.variants:
+        for seed in seeds:
+            cfg = _variant_config(grid, variant, seed, rounds)
+            run_dir = out / f"{variant.label.replace('/', '-')}-s{seed}"
+            run_inproc_once(parse_config(cfg, cfg["name"]), run_dir, cfg["name"])
+            res.setdefault(variant.label, []).append(_measure(run_dir))
+    n_rounds = rounds if rounds is not None else _variant_config(grid, grid.variants[0], 0, None)["rounds"]
+    lines = [
+        f"{grid.setting}. Accuracy of the global model on the test set in %, mean ± std over seeds (per "
+        f"seed in parentheses); `acc5` = mean of the last 5 of {n_rounds} rounds. Bytes: wire bytes per "
+        "participating device and round.",
+        "",
+        "| run | acc5 | final | down B/client | up B/client |",
+        "|---|---|---|---|---|",
+    ]
+    for label, runs in res.items():
+        down, up = statistics.fmean(r["down"] for r in runs), statistics.fmean(r["up"] for r in runs)
+        lines.append(
+            f"| {label} | {_fmt([r['acc5'] for r in runs])} | {_fmt([r['final'] for r in runs])} | "
+            f"{down:,.0f} | {up:,.0f} |"
+        )
+    lines += ["", "| spec §8 check | measured (points, acc5) | verdict |", "|---|---|---|"]
+    for check in grid.checks:
+        diff = [x["acc5"] - y["acc5"] for x, y in zip(res[check.a], res[check.b], strict=True)]
+        # a tie (to float noise: every run at chance gives differences of ±1e-15) is not an ordering
+        ok = statistics.fmean(diff) * check.sign > 0.05
+        lines.append(f"| {check.text} | {_fmt(diff)} | {'pass' if ok else '**fail**'} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python services/reproduce.py grid NAME --seeds ... --out DIR``: what a grid block runs."""
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("what", choices=["grid"])
+    ap.add_argument("name", choices=sorted(GRIDS))
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--rounds", type=int)
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    table = run_grid(args.name, tuple(args.seeds), args.out, args.rounds)
+    (args.out / "table.md").write_text(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,135 @@
+"""``fedfleet reproduce``: every results block of the algorithm docs is what the command writes.
+
+The committed blocks are parsed back: each must start with the caption :mod:`services.reproduce`
+writes (command, code version of a committed tree, seeds, configs) and hold well-formed tables. One
+reproduction runs end to end on a tiny setting (LG-FedAvg, one seed, 2 rounds) into a copy of its
+doc, so the path from the script to the doc block is exercised and its table shape compared with the
+committed one.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from services import reproduce as rp
+
+DOCS = rp.DOCS
+
+
+def _doc_blocks(alg: str) -> dict[str, str]:
+    return rp.blocks_of((DOCS / rp.REPRODUCTIONS[alg].doc).read_text())
+
+
+@pytest.mark.parametrize("alg", sorted(rp.REPRODUCTIONS))
+def test_every_paper_block_has_the_commands_caption_and_shape(alg: str) -> None:
+    rep = rp.REPRODUCTIONS[alg]
+    blocks = _doc_blocks(alg)
+    for block in rep.blocks:
+        assert block.marker in blocks, f"{rep.doc} lacks the {block.marker} block"
+        text = blocks[block.marker]
+        first = text.splitlines()[0]
+        m = rp.CAPTION_RE.match(first)
+        if block.pending:
+            assert not m, f"{block.marker} was regenerated: drop its `pending` note in services/reproduce.py"
+            continue
+        assert m, f"{rep.doc} {block.marker}: first line is not the reproduce caption: {first!r}"
+        assert m["alg"] == alg
+        assert not m["version"].endswith("-dirty"), f"{block.marker} was made from an uncommitted tree"
+        assert re.fullmatch(r"[0-9a-f]{7,40}|v?[\w.-]+-\d+-g[0-9a-f]{7,40}", m["version"]), m["version"]
+        assert [int(s) for s in m["seeds"].split(",")] == list(rep.seeds)
+        # the block's own configs, or (captions written before blocks could name theirs) the paper's
+        assert re.findall(r"`([^`]+)`", m["configs"]) in (
+            list(block.configs or rep.configs),
+            list(rep.configs),
+        )
+        assert "Smoke run" not in m["note"], f"{block.marker} holds a smoke run's table"
+        tables = rp.tables_of(text)
+        assert tables, f"{block.marker} holds no table"
+        for table in tables:
+            assert len(table) >= 3, f"{block.marker}: a table without rows: {table[0]}"
+            assert all(re.fullmatch(r":?-{3,}:?", c) for c in table[1]), f"{block.marker}: bad separator"
+            widths = {len(row) for row in table}
+            assert widths == {len(table[0])}, f"{block.marker}: ragged table under {table[0]}"
+
+
+def test_every_block_in_the_paper_docs_is_registered() -> None:
+    """A block no reproduction writes would be a hand-maintained table again."""
+    registered = {(r.doc, b.marker) for r in rp.REPRODUCTIONS.values() for b in r.blocks}
+    for alg, rep in rp.REPRODUCTIONS.items():
+        for marker in _doc_blocks(alg):
+            assert (rep.doc, marker) in registered, f"{rep.doc}: block {marker} has no reproduction"
+
+
+@pytest.mark.parametrize("alg", sorted(rp.REPRODUCTIONS))
+def test_configs_exist_and_the_doc_cites_them(alg: str) -> None:
+    rep = rp.REPRODUCTIONS[alg]
+    doc = (DOCS / rep.doc).read_text()
+    for cfg in rep.configs:
+        assert (rp.ROOT / cfg).is_file(), cfg
+        assert Path(cfg).name in doc, f"{rep.doc} does not cite {cfg}"
+    for block in rep.blocks:
+        assert (rp.ROOT / block.script).is_file(), block.script
+
+
+def test_names_resolve_to_their_paper() -> None:
+    assert rp.resolve("feddse") == "feddse"
+    assert rp.resolve("heterofl") == "feddse"
+    assert rp.resolve("fedtiny") == "fedmef"
+    assert rp.resolve("lgfedavg") == "embracingfl"
+    with pytest.raises(ValueError, match="no reproduction"):
+        rp.resolve("nope")
+
+
+def test_runs_of_another_code_version_are_discarded(tmp_path: Path) -> None:
+    out = tmp_path / "block"
+    rp._fresh_dir(out, "aaaaaaa")
+    (out / "run-s0").mkdir()
+    rp._fresh_dir(out, "aaaaaaa")
+    assert (out / "run-s0").exists(), "same version: finished runs are reused"
+    rp._fresh_dir(out, "bbbbbbb")
+    assert not (out / "run-s0").exists(), "another version: its runs must not reach a table"
+    assert (out / "code-version.txt").read_text().strip() == "bbbbbbb"
+
+
+def test_dirty_tree_is_refused_without_allow_dirty(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(rp, "code_version", lambda root=rp.ROOT: "abc1234-dirty")
+    with pytest.raises(RuntimeError, match="dirty"):
+        rp.reproduce("lgfedavg", out_root=tmp_path, docs_dir=tmp_path)
+
+
+def test_reproduce_end_to_end_on_a_tiny_setting(tmp_path: Path) -> None:
+    """The real command path: script → table → caption → doc block, on 1 seed × 2 rounds."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    doc = docs / "embracingfl.md"
+    shutil.copy(DOCS / "embracingfl.md", doc)
+    before = rp.blocks_of(doc.read_text())
+    written = rp.reproduce(
+        "lgfedavg",
+        seeds=(0,),
+        only=("lgfedavg-results",),
+        rounds=2,
+        out_root=tmp_path / "runs",
+        docs_dir=docs,
+        allow_dirty=True,
+        nice=0,
+    )
+    assert written == ["lgfedavg-results"]
+    after = rp.blocks_of(doc.read_text())
+    text = after["lgfedavg-results"]
+    m = rp.CAPTION_RE.match(text.splitlines()[0])
+    assert m and m["alg"] == "embracingfl" and m["seeds"] == "0"
+    assert m["version"] == rp.code_version()
+    assert "Smoke run: 2 rounds" in m["note"]
+    # the other blocks are untouched, and the new table has the committed table's shape
+    assert {k: v for k, v in after.items() if k != "lgfedavg-results"} == {
+        k: v for k, v in before.items() if k != "lgfedavg-results"
+    }
+    new_tables, old_tables = rp.tables_of(text), rp.tables_of(before["lgfedavg-results"])
+    assert [t[0] for t in new_tables] == [t[0] for t in old_tables]
+    assert [[row[0] for row in t] for t in new_tables] == [[row[0] for row in t] for t in old_tables]
+    assert (tmp_path / "runs" / "embracingfl" / "lgfedavg-results" / "code-version.txt").exists()
