@@ -49,7 +49,7 @@ test: setup broker lint  ## the whole test suite against a real broker
 lint: $(STAMP)  ## ruff and mypy
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy shared services
+	$(VENV)/bin/mypy shared services tests benchmarks load_tests
 
 bench-scale: setup broker  ## 10,000 devices over RabbitMQ: memory, registration, rounds → benchmarks/results-scale.md
 	RABBITMQ_URL=$$(PYTHON=$(PY) scripts/ensure_broker.sh) $(PY) benchmarks/bench_scale.py --out benchmarks/results-scale.md
