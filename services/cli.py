@@ -195,7 +195,9 @@ def cmd_aggregator(args: argparse.Namespace) -> int:
         exp.strategy,
         experiment_id=exp_id,
         algorithm=cfg.algorithm.name,
-        aggregator_id=args.id or socket.gethostname(),
+        # the pod's name on Kubernetes: its queue is named after it, so two aggregators must never
+        # share one (HOSTNAME is what a pod, or a harness emulating pods on one machine, sets)
+        aggregator_id=args.id or os.environ.get("HOSTNAME") or socket.gethostname(),
         prefetch=cfg.processes.prefetch,
         max_bytes=cfg.processes.max_message_bytes,
         bounds=cfg.bounds,

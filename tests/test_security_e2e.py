@@ -128,13 +128,15 @@ def _refused(url: str, action: Any) -> bool:
 
 
 class Attacker(Client):
-    """A real host that serves its devices honestly and, in round 2, tries every attack above."""
+    """A real host that serves its devices honestly and, in its first task from round 2 on (when the
+    honest hosts hold devices too), tries every attack above."""
 
     attacks: dict[str, bool]
     host_url: str
 
     def on_task(self, env: Any, msg: Any, d: Any) -> None:
-        if env.round == 2 and not getattr(self, "attacks", None):
+        others_exist = any(d not in self.data for d in range(self.exp.cfg.num_devices))
+        if env.round >= 2 and others_exist and not getattr(self, "attacks", None):
             self.attacks = self._attack(env, msg)
         super().on_task(env, msg, d)
 
@@ -210,7 +212,7 @@ def test_every_attack_a_client_host_can_make_is_refused(tmp_path: Path) -> None:
     experiment = f"sec{uuid.uuid4().hex[:8]}"
     dep = Deployment(experiment)
     try:
-        config = write_config(tmp_path / "c.yaml", rounds=3, devices_per_round=8, round_timeout_s=120)
+        config = write_config(tmp_path / "c.yaml", rounds=4, devices_per_round=8, round_timeout_s=120)
         cluster = ProcessCluster(
             dep.url(identity.server_user()),
             experiment,
@@ -222,9 +224,12 @@ def test_every_attack_a_client_host_can_make_is_refused(tmp_path: Path) -> None:
         cluster.env["RABBITMQ_URL"] = dep.url(identity.aggregator_user())
         cluster.aggregator("agg-0")
         cluster.env["RABBITMQ_URL"] = dep.url(identity.join_user())
-        cluster.client("c0")
-        cluster.client("c1")
-        # the attacker joins like any host, then runs as a client of its own user
+        honest = [cluster.client("c0"), cluster.client("c1")]
+        # the attacker joins like any host once the honest ones serve devices (it starts in this
+        # process, far faster than they do, and would otherwise be leased every device), then runs
+        # as a client of its own user
+        serving = '"lease_applied"'
+        wait_for(lambda: all(serving in c.text() for c in honest), 300, "the honest hosts to serve devices")
         reply = provision.join(dep.url(identity.join_user()), experiment, hint="attacker")
         host_url = dep.url(reply.user, reply.password)
         attacker = Attacker(
@@ -246,7 +251,7 @@ def test_every_attack_a_client_host_can_make_is_refused(tmp_path: Path) -> None:
         cluster.stop_all()
 
         attacks = getattr(attacker, "attacks", None)
-        assert attacks, "the attacker never got a task in round 2"
+        assert attacks, "the attacker never got a task from round 2 on while others held devices"
         assert all(attacks.values()), attacks  # everything the broker must refuse, it refused
         # what the services refused went to the dead-letter queue, each with its reason
         conn = pika.BlockingConnection(pika.URLParameters(dep.url(identity.server_user())))
@@ -261,7 +266,7 @@ def test_every_attack_a_client_host_can_make_is_refused(tmp_path: Path) -> None:
         assert reasons.count("wrong-sender") >= 1, reasons  # the partial
         assert reasons.count("forged") >= 3, reasons  # other's update, altered copy, other's refusal
         # no attack changed anything: the model of the same run without an attacker
-        assert [r["outcome"] for r in read_rounds(cluster.run_dir)] == ["completed"] * 3
+        assert [r["outcome"] for r in read_rounds(cluster.run_dir)] == ["completed"] * 4
         reference = tmp_path / "reference"
         reference.mkdir()
         assert run_inproc(load_config(config), reference, f"ref-{experiment}", show_progress=False) == 0
