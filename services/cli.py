@@ -575,28 +575,26 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_reference(args: argparse.Namespace) -> int:
-    from shared.config.reference import config_reference
-
-    text = config_reference()
-    if args.out:
-        args.out.write_text(text)
-        console.print(f"wrote {args.out}")
+def _write_or_print(text: str, out: Path | None) -> int:
+    """A generated document to ``out`` (and say so), or to stdout."""
+    if out:
+        out.write_text(text)
+        console.print(f"wrote {out}")
     else:
         print(text, end="")
     return 0
+
+
+def cmd_reference(args: argparse.Namespace) -> int:
+    from shared.config.reference import config_reference
+
+    return _write_or_print(config_reference(), args.out)
 
 
 def cmd_asyncapi(args: argparse.Namespace) -> int:
     from shared.asyncapi import render
 
-    text = render()
-    if args.out:
-        args.out.write_text(text)
-        console.print(f"wrote {args.out}")
-    else:
-        print(text, end="")
-    return 0
+    return _write_or_print(render(), args.out)
 
 
 def cmd_tap(args: argparse.Namespace) -> int:
