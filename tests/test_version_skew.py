@@ -341,7 +341,7 @@ def test_a_client_host_of_the_previous_build_finishes_a_run_of_this_one(
             rounds = list(csv.DictReader(f))
         assert [r["outcome"] for r in rounds] == ["completed"] * ROUNDS
         with (cluster.run_dir / "devices.csv").open() as f:
-            completed = {int(r["device"]): int(r["completed"]) for r in csv.DictReader(f)}
+            completed = {int(r["device_id"]): int(r["completed"]) for r in csv.DictReader(f)}
         # every device of the old host had its update merged in every round
         assert {d: completed[d] for d in OLD_DEVICES} == {d: ROUNDS for d in OLD_DEVICES}, completed
         text = old_log.read_text()
@@ -363,8 +363,10 @@ def test_a_client_host_of_the_previous_build_finishes_a_run_of_this_one(
 def _publish_when_bound(url: str, experiment: str, key: str, data: bytes) -> None:
     """Publish ``data`` once the server's queue is bound for ``key`` (mandatory: retried while
     nobody is)."""
+    import logging
     import time
 
+    logging.getLogger("pika").setLevel(logging.CRITICAL)  # "no exchange yet" is expected, retried
     conn = pika.BlockingConnection(pika.URLParameters(url))
     try:
         ch = conn.channel()
