@@ -8,8 +8,9 @@ is checked (docs/wire.md, "Versions on the wire"):
   ``decode``, and what the old build writes is read (and its MACs verified) here;
 * over RabbitMQ, with real processes: this build's server and aggregator, a client host of this
   build and one of the old build. Every round completes, the old host's devices take part in each
-  (their updates merged), and nothing is dead-lettered for ``schema`` — except a version 5 message
-  the test sends the server, which is dead-lettered with "upgrade this service".
+  (their updates merged), the model equals the same experiment's run in one process of this build,
+  and nothing is dead-lettered for ``schema`` — except a version 5 message the test sends the
+  server, which is dead-lettered with "upgrade this service".
 
 Outside a git checkout (a source tarball) the old build cannot be made: the tests skip, or fail
 under ``CI``.
@@ -36,8 +37,9 @@ import numpy as np
 import pika
 import pytest
 
-from services.orchestrator import ProcessCluster
+from services.orchestrator import ProcessCluster, run_inproc
 from shared import codec, identity, provision
+from shared.config import load_config
 from shared.schemas import (
     PREVIOUS_VERSION,
     SCHEMA_VERSION,
@@ -423,6 +425,13 @@ def test_a_client_host_of_the_previous_build_finishes_a_run_of_this_one(
         assert {d: completed[d] for d in OLD_DEVICES} == {d: ROUNDS for d in OLD_DEVICES}, completed
         text = old_log.read_text()
         assert '"lease_applied"' in text and "dead_letter" not in text, text[-3000:]
+
+        # and the old host trained as this build would have: the model of the run in one process
+        reference = tmp_path / "reference"
+        reference.mkdir()
+        assert run_inproc(load_config(config), reference, f"ref-{experiment_id}", show_progress=False) == 0
+        with np.load(cluster.run_dir / "global_model.npz") as a, np.load(reference / "global_model.npz") as b:
+            assert max(float(np.max(np.abs(a[k] - b[k]))) for k in a.files) <= 1e-6
 
         letters = _dead_letters(dep.guest_url(), experiment_id)
         schema = [x for x in letters if x["reason"] == "schema"]
