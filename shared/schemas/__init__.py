@@ -25,7 +25,9 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, 
 from shared import codec
 from shared.codec import tensorset
 
-#: Bump when a message changes incompatibly; receivers dead-letter other versions.
+#: Bump when a message changes incompatibly. A build reads this version and the previous one, writes
+#: the previous one to a peer that speaks only it, and dead-letters any other (docs/wire.md): bumping
+#: means making today's writer the ``PREVIOUS_VERSION`` writer and retiring version 3's.
 #: 2: client processes are hosts that lease devices (``heartbeat``, ``lease``, ``device_state``
 #: replace ``register``). 3: the body travels as bytes with a MAC over them (``task_key``), tasks
 #: carry a per-task key instead of a token; ``join`` asks for a host's own broker user.
