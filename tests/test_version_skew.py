@@ -357,6 +357,7 @@ def _dead_letters(url: str, experiment: str) -> list[dict[str, Any]]:
 
 
 @pytest.mark.broker
+@pytest.mark.slow
 def test_a_client_host_of_the_previous_build_finishes_a_run_of_this_one(
     old_build: Path, deployment: _Deployment, experiment_id: str, tmp_path: Path
 ) -> None:
