@@ -17,8 +17,9 @@ from typing import Any
 from shared import codec, metrics
 from shared.codec.tensorset import LayoutCache
 from shared.identity import ACCEPTS, Role, Sender, identify, strict
-from shared.schemas import DecodeError, Envelope, Kind, RoundOpen, decode, encode
+from shared.schemas import DecodeError, Envelope, Heartbeat, Kind, RoundOpen, decode, encode
 from shared.schemas import _Body as Body
+from shared.schemas.peers import PeerVersions
 from shared.topology import routable
 from shared.transport import Delivery, Transport
 
@@ -81,6 +82,8 @@ class ServiceBase:
         self.bytes_consumed = 0
         #: tensor-set layouts learned from the server (what a message may name by digest)
         self.layouts = LayoutCache()
+        #: the schema version each host speaks: what is addressed to a host goes in its version
+        self.peers = PeerVersions()
         #: senders are checked (role, lease) unless every service shares one broker user (dev mode)
         self.strict = strict(transport.user)
         if not self.strict:
@@ -124,6 +127,10 @@ class ServiceBase:
             return
         if sender.role is Role.SERVER or not self.strict:
             self._learn_layouts(env, body)
+        # a host's version, from its broker user (or, in dev mode, from the heartbeat's own word)
+        host = sender.host_id if self.strict else body.host_id if isinstance(body, Heartbeat) else None
+        if host:
+            self.peers.learn(host, env.v)
         try:
             handler(env, body, delivery)
         except codec.CodecError as err:
@@ -195,8 +202,10 @@ class ServiceBase:
         return self.publish_raw(key, kind, data, dense_bytes=dense_bytes)
 
     def publish_raw(self, key: str, kind: Kind, data: bytes, *, dense_bytes: int = 0) -> int:
-        """Publish an already-encoded message and count it — the one place wire bytes are counted."""
+        """Publish an already-encoded message and count it — the one place wire bytes are counted,
+        and where a message for a host of the previous schema version is rewritten in it."""
         _check_route(kind, key)
+        data = self.peers.outgoing(key, data, exp=self.experiment, layouts=self.layouts)
         self.transport.publish(key, data)
         self.bytes_published += len(data)
         labels = (self.experiment, self.algorithm, self.service, DIRECTION.get(kind, "control"), kind.value)
@@ -213,6 +222,10 @@ class ServiceBase:
         """
         for key, _, _ in items:
             _check_route(kind, key)
+        items = [
+            (k, self.peers.outgoing(k, data, exp=self.experiment, layouts=self.layouts), n)
+            for k, data, n in items
+        ]
         unroutable = self.transport.publish_many([(key, data) for key, data, _ in items])
         labels = (self.experiment, self.algorithm, self.service, DIRECTION.get(kind, "control"), kind.value)
         for key, data, dense in items:

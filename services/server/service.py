@@ -236,6 +236,7 @@ class Server(ServiceBase):
             exp=self.experiment,
             round=0,
             sender=self.service,
+            version=env.v,  # in the joining build's own version (docs/wire.md)
         )
         try:
             self.transport.publish_reply(d.reply_to, reply)

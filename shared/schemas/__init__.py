@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import math
+import uuid
 from collections.abc import Mapping
 from enum import StrEnum
 from typing import Annotated, Any
@@ -24,13 +25,18 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, 
 from shared import codec
 from shared.codec import tensorset
 
-#: Bump when a message changes incompatibly; receivers dead-letter other versions.
+#: Bump when a message changes incompatibly. A build reads this version and the previous one, writes
+#: the previous one to a peer that speaks only it, and dead-letters any other (docs/wire.md): bumping
+#: means making today's writer the ``PREVIOUS_VERSION`` writer and retiring version 3's.
 #: 2: client processes are hosts that lease devices (``heartbeat``, ``lease``, ``device_state``
 #: replace ``register``). 3: the body travels as bytes with a MAC over them (``task_key``), tasks
 #: carry a per-task key instead of a token; ``join`` asks for a host's own broker user.
 #: 4: lean envelope — the envelope and bodies are msgpack arrays, tensors travel as one tensor set
 #: per message (layout by digest once known), an update's metrics and timings as telemetry.
 SCHEMA_VERSION = 4
+#: The version before this one: still read, and written to a peer that speaks it (a client host of
+#: the previous image during a rolling upgrade; docs/wire.md, "Versions on the wire").
+PREVIOUS_VERSION = 3
 
 
 class Kind(StrEnum):
@@ -456,7 +462,7 @@ def exp_tag(exp: str) -> int:
 
 
 def _mac(key: str, v: int, kind: Kind, exp: str, round: int, inc: str, body: bytes, tel: bytes) -> bytes:
-    if v == 3:  # the previous version's MAC input (it had no telemetry)
+    if v == PREVIOUS_VERSION:  # the previous version's MAC input (it had no telemetry)
         head = f"{kind.value}|{exp}|{round}|{inc}|".encode()
     else:
         head = f"{v}|{kind.value}|{exp}|{round}|{inc}|{len(body)}|".encode()
@@ -550,8 +556,12 @@ def encode(
     inc: str = "",
     key: str = "",
     known: Mapping[bytes, Any] | None = None,
+    version: int = SCHEMA_VERSION,
 ) -> bytes:
     """Serialize one message; with ``key`` (a device's task key) it carries a MAC of its bytes.
+
+    ``version``: :data:`SCHEMA_VERSION` (the default), or :data:`PREVIOUS_VERSION` for a peer that
+    speaks only that one (:func:`_encode_v3`; ``known`` does not apply there).
 
     Wire form (version 4), one msgpack array::
 
@@ -567,6 +577,12 @@ def encode(
     """
     if not isinstance(body, BODY_MODELS[kind]):
         raise TypeError(f"{kind} needs a {BODY_MODELS[kind].__name__}, got {type(body).__name__}")
+    if version == PREVIOUS_VERSION:
+        return _encode_v3(kind, body, exp=exp, round=round, sender=sender, inc=inc, key=key)
+    if version != SCHEMA_VERSION:
+        raise ValueError(
+            f"this build writes schema versions {PREVIOUS_VERSION} and {SCHEMA_VERSION}, not {version}"
+        )
     names, tel_names = _body_fields(kind)
     packed = codec.packb(_positional(body, names, known))
     tel_values = _positional(body, tel_names, known) if tel_names else []
@@ -595,14 +611,14 @@ def decode(
         raise DecodeError(err.reason, str(err)) from None
     env = _envelope(raw)
     if exp is not None:
-        if env.exp_tag != exp_tag(exp) or (env.v == 3 and env.exp != exp):
+        if env.exp_tag != exp_tag(exp) or (env.v == PREVIOUS_VERSION and env.exp != exp):
             shown = env.exp or f"tag {env.exp_tag:08x}"
             raise DecodeError("unknown-experiment", f"experiment {shown} is not {exp!r}", env)
         env.exp = exp
     try:
         fields = codec.unpackb(env.body, max_bytes=max_bytes)
-        if env.v == 3:
-            values = fields
+        if env.v == PREVIOUS_VERSION:
+            values = _from_v3(env.kind, fields)
         else:
             names, tel_names = _body_fields(env.kind)
             cls = BODY_MODELS[env.kind]
@@ -620,7 +636,90 @@ def decode(
 
 
 #: the versions this build reads: its own and the one before (a rolling upgrade's mixed fleet)
-ACCEPTED_VERSIONS = (3, SCHEMA_VERSION)
+ACCEPTED_VERSIONS = (PREVIOUS_VERSION, SCHEMA_VERSION)
+
+
+# -- the previous version (3), written for peers that speak only it --------------------------------
+#: Version 3 named a payload by 16 bytes of digest, this build by 8. A v3 peer only ever names a
+#: payload this build sent it, so the 8-byte digest travels padded with zeros and comes back whole.
+V3_DIGEST_PAD = bytes(8)
+#: body fields version 3 has no place for: written to a v3 peer only while they hold their default
+#: (v3 bodies are ``extra="forbid"``); a message that needs them cannot be said in version 3
+V3_ABSENT: dict[type[_Body], tuple[str, ...]] = {
+    RoundOpen: ("layouts",),
+    Receipt: ("telemetry_bytes", "refused"),
+}
+
+
+def _v3_body(body: _Body) -> dict[str, Any]:
+    """The body as version 3 wrote it: a map of its fields (``model_dump``, tensor buffers kept as
+    they are), the task key in hex, payload digests 16 bytes long."""
+    out = body.model_dump()
+    for name in V3_ABSENT.get(type(body), ()):
+        if not _is_default(body, name):
+            raise ValueError(f"{type(body).__name__}.{name} cannot be said in schema version 3")
+        del out[name]
+    if isinstance(body, Payload | Fetch):
+        out["digest"] = body.digest + V3_DIGEST_PAD
+    if isinstance(body, Task):
+        out["payload"] = body.payload + V3_DIGEST_PAD if body.payload else b""
+        out["key"] = body.key.hex()
+    return out
+
+
+def _from_v3(kind: Kind, fields: Any) -> Any:
+    """A version 3 body as this build's models take it: a padded digest back to this build's 8
+    bytes, the hex task key to bytes. Anything else is left to the model to refuse (``schema``)."""
+    if not isinstance(fields, dict):
+        return fields
+    model = BODY_MODELS[kind]
+    digests = ("digest",) if model in (Payload, Fetch) else ("payload",) if model is Task else ()
+    for name in digests:
+        value = fields.get(name)
+        if isinstance(value, bytes) and len(value) == 16 and value.endswith(V3_DIGEST_PAD):
+            fields[name] = value[:8]
+    if model is Task and isinstance(fields.get("key"), str):
+        try:
+            fields["key"] = bytes.fromhex(fields["key"])
+        except ValueError:
+            raise codec.CodecError("malformed", "task key: not hex") from None
+    return fields
+
+
+def _encode_v3(kind: Kind, body: _Body, *, exp: str, round: int, sender: str, inc: str, key: str) -> bytes:
+    """One message in version 3, as a build of that version (e.g. e1dfd54) reads it: the envelope a
+    msgpack *map* with the experiment id in full and a message ``id``, the body a packed map; with
+    ``key``, the version 3 MAC (kind, experiment, round, incarnation and body; no telemetry)."""
+    packed = codec.packb(_v3_body(body))
+    env: dict[str, Any] = {
+        "v": PREVIOUS_VERSION,
+        "kind": kind.value,
+        "exp": exp,
+        "inc": inc,
+        "round": round,
+        "sender": sender,
+        "id": uuid.uuid4().hex,
+        "body": packed,
+    }
+    if key:
+        env["mac"] = _mac(key, PREVIOUS_VERSION, kind, exp, round, inc, packed, b"")
+    return codec.packb(env)
+
+
+def transcode(data: bytes, version: int, *, exp: str, layouts: Mapping[bytes, Any] | None = None) -> bytes:
+    """``data`` (a message this service encoded) rewritten in schema ``version``.
+
+    Why: a sender picks the version per addressee at the one place every message leaves it (see
+    :class:`shared.schemas.peers.PeerVersions`), after the code that built the message, so that code
+    needs no version of its own. A message with a MAC is refused: its MAC covers its bytes, and only
+    a device, with its task key, may make one (the server's messages to hosts carry none).
+    """
+    env, body = decode(data, max_bytes=len(data), exp=exp, layouts=layouts)
+    if env.v == version:
+        return data
+    if env.mac:
+        raise ValueError(f"a MAC'd {env.kind.value} cannot be rewritten in another version")
+    return encode(env.kind, body, exp=exp, round=env.round, sender=env.sender, inc=env.inc, version=version)
 
 
 def _envelope(raw: Any) -> Envelope:
@@ -633,7 +732,7 @@ def _envelope(raw: Any) -> Envelope:
             f"{', '.join(map(str, ACCEPTED_VERSIONS))}){'; upgrade this service' if newer else ''}",
         )
     try:
-        if version == 3:  # the previous version: a map, the experiment id in full, a message id
+        if version == PREVIOUS_VERSION:  # a map, the experiment id in full, a message id
             if isinstance(raw, dict):
                 raw.pop("id", None)
                 raw["exp_tag"] = exp_tag(raw["exp"]) if isinstance(raw.get("exp"), str) else -1
