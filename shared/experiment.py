@@ -3,22 +3,28 @@
 Why one builder: the server, every aggregator and every client process build the *same* experiment
 from the same YAML, independently. Determinism (same seed → same partition, same initial model) is
 what lets a device be hosted by any client process and still train identically.
+
+Nothing here imports torch until a model is built: an aggregator of an algorithm whose aggregation
+needs only the model's layout (``aggregation_strategy``) never imports it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
-import torch
 
 from shared import algorithms
 from shared.algorithms.base import DeviceData, Strategy, StrategyContext, derive_seed
 from shared.config import ExperimentConfig
 from shared.data import Dataset, load_dataset, noise_seed, noisy_dataset, partition, split_local
-from shared.devices import Device, Optimizer, build_fleet, training_footprint
-from shared.models import build_model, initialise
+from shared.devices import Device, Optimizer, build_fleet
+from shared.statespec import state_spec
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -60,6 +66,10 @@ class Experiment:
         """A fresh model with the experiment's deterministic initial weights."""
         # the CPU generator only: torch.manual_seed also runs accelerator seeding hooks, which in
         # torch 2.13 cost ~1 ms per call — and a model is built for every task
+        import torch
+
+        from shared.models import build_model, initialise
+
         torch.default_generator.manual_seed(derive_seed(self.cfg.seed, "init") % (2**31))
         model = build_model(
             self.cfg.model.name, self.dataset.input_shape, self.dataset.num_classes, **self.cfg.model.options
@@ -68,6 +78,22 @@ class Experiment:
 
     @cached_property
     def strategy(self) -> Strategy:
+        return self._strategy(lean=False)
+
+    @cached_property
+    def aggregation_strategy(self) -> Strategy:
+        """The strategy as an aggregator needs it: for an algorithm that ``aggregates_from_layout``,
+        one with the model's layout (``shared.statespec``) and no model, so the process imports no
+        torch; otherwise the same as ``strategy``."""
+        return self._strategy(lean=algorithms.get(self.cfg.algorithm.name).aggregates_from_layout)
+
+    def _no_model(self) -> NoReturn:
+        raise RuntimeError(
+            f"{self.cfg.algorithm.name}: this strategy was built for aggregation only and holds no "
+            "model; an algorithm whose aggregation needs the model must not set aggregates_from_layout"
+        )
+
+    def _strategy(self, *, lean: bool) -> Strategy:
         cls = algorithms.get(self.cfg.algorithm.name)
         options = algorithms.parse_options(self.cfg.algorithm.name, self.cfg.algorithm.options)
         algorithms.check_train(self.cfg.algorithm.name, self.cfg.train)
@@ -76,8 +102,12 @@ class Experiment:
             from shared.algorithms import robust
 
             cls = robust.wrap(cls)
+        spec = None
+        if lean:
+            m = self.cfg.model
+            spec = state_spec(m.name, m.options, self.dataset.input_shape, self.dataset.num_classes)
         ctx = StrategyContext(
-            model_factory=self.model,
+            model_factory=self._no_model if lean else self.model,
             input_shape=self.dataset.input_shape,
             num_classes=self.dataset.num_classes,
             train=self.cfg.train,
@@ -85,6 +115,7 @@ class Experiment:
             options=options,
             optimizer=self.optimizer,
             robust=self.cfg.robust,
+            state_spec=spec,
         )
         return cls(ctx)
 
@@ -95,6 +126,8 @@ class Experiment:
     @cached_property
     def full_footprint_bytes(self) -> int:
         """Training footprint of the whole model at the configured batch size (the 100% of fleets)."""
+        from shared.devices import training_footprint
+
         return training_footprint(
             self.model(), self.dataset.input_shape, self.cfg.train.batch_size, optimizer=self.optimizer
         ).total

@@ -479,3 +479,7 @@ class Settings(BaseSettings):
     #: (``http://admin:password@rabbitmq:15672``); with it the server gives each joining client host
     #: a broker user of its own (docs/security.md). Unset: hosts must be given their users.
     broker_admin_url: str | None = None
+    #: where decoded datasets (``.npy``, memory-mapped read-only by every process) and model layouts
+    #: are cached; unset: ``$XDG_CACHE_HOME/fedfleet`` (``~/.cache/fedfleet``). Derived data only,
+    #: safe to delete; processes of one machine share it.
+    cache_dir: Path | None = None
