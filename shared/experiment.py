@@ -10,6 +10,7 @@ needs only the model's layout (``aggregation_strategy``) never imports it.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, NoReturn
@@ -19,7 +20,18 @@ import numpy as np
 from shared import algorithms
 from shared.algorithms.base import DeviceData, Strategy, StrategyContext, derive_seed
 from shared.config import ExperimentConfig
-from shared.data import Dataset, load_dataset, noise_seed, noisy_dataset, partition, split_local
+from shared.data import (
+    SAMPLED,
+    Dataset,
+    IndexPartition,
+    Partition,
+    SampledPartition,
+    load_dataset,
+    noise_seed,
+    noisy_dataset,
+    partition,
+    split_local,
+)
 from shared.devices import Device, Optimizer, build_fleet
 from shared.statespec import state_spec
 
@@ -49,17 +61,25 @@ class Experiment:
         return self.dataset.y_train[:limit] if limit else self.dataset.y_train
 
     @cached_property
-    def partitions(self) -> list[np.ndarray]:
+    def partitions(self) -> Partition:
+        """Each device's training indices (``shared.data.partitioning``): packed, or drawn on demand."""
         d = self.cfg.dataset
-        return partition(
-            self.train_y,
-            self.cfg.num_devices,
-            d.partition,
-            seed=derive_seed(self.cfg.seed, "partition") % (2**32),
-            alpha=d.alpha,
-            classes_per_device=d.classes_per_device,
-            shards_per_device=d.shards_per_device,
-            min_samples=d.min_samples,
+        seed = derive_seed(self.cfg.seed, "partition") % (2**32)
+        if d.partition == SAMPLED:
+            pool = len(self.train_y)
+            per_device = d.samples_per_device or max(d.min_samples, pool // self.cfg.num_devices)
+            return SampledPartition(pool, self.cfg.num_devices, per_device, seed)
+        return IndexPartition(
+            partition(
+                self.train_y,
+                self.cfg.num_devices,
+                d.partition,
+                seed=seed,
+                alpha=d.alpha,
+                classes_per_device=d.classes_per_device,
+                shards_per_device=d.shards_per_device,
+                min_samples=d.min_samples,
+            )
         )
 
     def model(self) -> torch.nn.Module:
@@ -166,3 +186,40 @@ class Experiment:
             tr, te = idx, idx[:0]
         x, y = self.train_x, self.train_y
         return DeviceData(x[tr], y[tr], x[te], y[te])
+
+
+class HostedData(Mapping[int, DeviceData]):
+    """The local data of the devices a client host serves, by device id.
+
+    Only the ids are kept: each access slices the device's samples out of the (memory-mapped,
+    read-only) dataset, so a served device that is not training holds no copy of its data, and the
+    host's memory does not grow with the devices it serves (issue 16, lean processes). Slicing a few
+    dozen samples costs microseconds next to a task's training.
+    """
+
+    def __init__(self, exp: Experiment) -> None:
+        self._exp = exp
+        self._ids: set[int] = set()
+
+    def add(self, device: int) -> None:
+        self._ids.add(device)
+
+    def __delitem__(self, device: int) -> None:
+        self._ids.remove(device)
+
+    def clear(self) -> None:
+        self._ids.clear()
+
+    def __contains__(self, device: object) -> bool:
+        return device in self._ids
+
+    def __getitem__(self, device: int) -> DeviceData:
+        if device not in self._ids:
+            raise KeyError(device)
+        return self._exp.device_data(device)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._ids)
+
+    def __len__(self) -> int:
+        return len(self._ids)

@@ -96,3 +96,136 @@ def test_an_aggregation_only_strategy_refuses_to_build_a_model(
     strategy = Experiment.build(load_config(QUICKSTART)).aggregation_strategy
     with pytest.raises(RuntimeError, match="aggregation only"):
         strategy.ctx.model_factory()
+
+
+# -- the dataset: decoded once, memory-mapped read-only -------------------------------------------
+def _idx_dataset(directory: Path, n_train: int = 40, n_test: int = 10) -> Path:
+    """Four small Fashion-MNIST-format IDX files."""
+    from shared.data import encode_idx
+
+    rng = np.random.default_rng(0)
+    directory.mkdir(parents=True)
+    for split, n in (("train", n_train), ("t10k", n_test)):
+        images = rng.integers(0, 256, (n, 28, 28), dtype=np.uint8)
+        labels = rng.integers(0, 10, n, dtype=np.uint8)
+        (directory / f"{split}-images-idx3-ubyte").write_bytes(encode_idx(images))
+        (directory / f"{split}-labels-idx1-ubyte").write_bytes(encode_idx(labels))
+    return directory
+
+
+def test_a_file_dataset_is_decoded_once_and_mapped_read_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shared.data import datasets
+
+    source = _idx_dataset(tmp_path / "fmnist")
+    monkeypatch.setenv("FEDFLEET_CACHE_DIR", str(tmp_path / "cache"))
+    plain = datasets.load_dataset("fashion-mnist", source, cache=False)
+    first = datasets.load_dataset("fashion-mnist", source)
+
+    def no_decoding(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a cached dataset must not be decoded again")
+
+    monkeypatch.setattr(datasets, "_load_idx_dataset", no_decoding)
+    again = datasets.load_dataset("fashion-mnist", source)
+    for ds in (first, again):
+        for name in ("x_train", "y_train", "x_test", "y_test"):
+            arr = getattr(ds, name)
+            assert isinstance(arr, np.memmap) and not arr.flags.writeable, name
+            np.testing.assert_array_equal(arr, getattr(plain, name))
+            assert arr.dtype == getattr(plain, name).dtype
+        assert ds.num_classes == plain.num_classes
+    assert len(list((tmp_path / "cache" / "datasets").iterdir())) == 1
+
+
+def test_a_changed_source_file_is_decoded_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from shared.data import encode_idx, load_dataset
+
+    source = _idx_dataset(tmp_path / "fmnist")
+    monkeypatch.setenv("FEDFLEET_CACHE_DIR", str(tmp_path / "cache"))
+    before = load_dataset("fashion-mnist", source)
+    labels = np.zeros(40, dtype=np.uint8)
+    (source / "train-labels-idx1-ubyte").write_bytes(encode_idx(labels))
+    after = load_dataset("fashion-mnist", source)
+    assert before.y_train.any() and not after.y_train.any()
+
+
+# -- partitions: the same indices, held compactly; hosted devices hold ids only --------------------
+@pytest.mark.parametrize("scheme", ["iid", "dirichlet", "classes", "shards"])
+def test_the_packed_partition_has_the_same_indices(scheme: str) -> None:
+    from shared.data import IndexPartition, partition
+
+    labels = np.random.default_rng(1).integers(0, 10, 500)
+    parts = partition(labels, 37, scheme, seed=5)
+    packed = IndexPartition(parts)
+    assert len(packed) == 37
+    for d, p in enumerate(parts):
+        np.testing.assert_array_equal(packed[d], p)
+        assert packed.size(d) == len(p)
+        assert not packed[d].flags.writeable
+    np.testing.assert_array_equal(packed[-1], parts[-1])
+    with pytest.raises(IndexError):
+        _ = packed[37]
+
+
+def test_hosted_data_keeps_ids_and_slices_on_demand() -> None:
+    from shared.experiment import HostedData
+
+    exp = Experiment.build(load_config(QUICKSTART))
+    hosted = HostedData(exp)
+    hosted.add(3)
+    hosted.add(7)
+    assert sorted(hosted) == [3, 7] and 3 in hosted and 4 not in hosted and len(hosted) == 2
+    expected = exp.device_data(3)
+    np.testing.assert_array_equal(hosted[3].x_train, expected.x_train)
+    np.testing.assert_array_equal(hosted[3].y_train, expected.y_train)
+    del hosted[3]
+    with pytest.raises(KeyError):
+        _ = hosted[3]
+    hosted.clear()
+    assert not hosted
+
+
+# -- the sampled scheme: more devices than samples ------------------------------------------------
+def test_sampled_devices_draw_distinct_samples_from_their_seed() -> None:
+    from shared.data import SampledPartition
+
+    p = SampledPartition(pool=50, num_devices=1000, per_device=8, seed=2)
+    assert len(p) == 1000
+    draws = [p[d] for d in range(1000)]
+    for d in draws:
+        assert len(d) == 8 and len(np.unique(d)) == 8  # distinct within a device
+        assert d.min() >= 0 and d.max() < 50
+    np.testing.assert_array_equal(p[123], SampledPartition(50, 1000, 8, 2)[123])  # from the seed
+    assert any(not np.array_equal(draws[0], d) for d in draws[1:])
+    assert len(np.unique(np.concatenate(draws))) == 50  # a thousand devices share the 50 samples
+    assert p.size(999) == 8
+
+
+def test_a_sampled_device_draws_with_replacement_only_when_it_must() -> None:
+    from shared.data import SampledPartition
+
+    d = SampledPartition(pool=5, num_devices=3, per_device=12, seed=0)[1]
+    assert len(d) == 12 and set(d.tolist()) <= set(range(5))
+
+
+def test_a_sampled_fleet_may_be_larger_than_the_dataset() -> None:
+    from shared.config import parse_config
+
+    raw = load_config(QUICKSTART).model_dump(mode="json")
+    raw.update(num_devices=5000, devices_per_round=10)
+    raw["dataset"] = {**raw["dataset"], "partition": "sampled", "samples_per_device": 6}
+    exp = Experiment.build(parse_config(raw))
+    assert exp.cfg.num_devices > len(exp.train_y)
+    data = exp.device_data(4321)
+    assert len(data.y_train) == 6
+    np.testing.assert_array_equal(data.x_train, exp.train_x[exp.partitions[4321]])
+
+
+def test_samples_per_device_belongs_to_the_sampled_scheme() -> None:
+    from shared.config import ConfigError, parse_config
+
+    raw = load_config(QUICKSTART).model_dump(mode="json")
+    raw["dataset"] = {**raw["dataset"], "samples_per_device": 6}
+    with pytest.raises(ConfigError, match="sampled only"):
+        parse_config(raw)

@@ -52,7 +52,7 @@ def registered_samples(exp: Experiment) -> dict[int, int]:
     Every device id the partition covers, without building the fleet: the fleet's profiles are sized
     by the model's training footprint, which needs torch (and the extra ids of a sparse fleet are
     harmless: an update from a device that was not selected is refused before its limit is read)."""
-    return {d: len(exp.partitions[d]) for d in range(exp.cfg.num_devices)}
+    return {d: exp.partitions.size(d) for d in range(exp.cfg.num_devices)}
 
 
 @dataclass

@@ -38,11 +38,11 @@ from typing import Any
 
 from services.common import MessageHandler, ServiceBase, decode_tensors, encode_tensors
 from shared import metrics
-from shared.algorithms.base import DeviceContext, DeviceData, TaskSpec, UpdateSpec, derive_seed
+from shared.algorithms.base import DeviceContext, TaskSpec, UpdateSpec, derive_seed
 from shared.algorithms.device_state import atomic_write_bytes
 from shared.codec import tensorset
 from shared.devices import Device, admit, dropout_point, emulate_compute, emulate_transfer, transfer_seconds
-from shared.experiment import Experiment
+from shared.experiment import Experiment, HostedData
 from shared.schemas import (
     DeviceState,
     Envelope,
@@ -134,8 +134,9 @@ class Client(ServiceBase):
         self.payload_layouts: dict[bytes, bytes] = {}
         self.payload_round: tuple[str, int] = ("", -1)
         self.waiting: dict[bytes, list[tuple[Envelope, Task, Delivery]]] = {}
-        #: the devices of the newest lease applied, with their local data
-        self.data: dict[int, DeviceData] = {}
+        #: the devices of the newest lease applied, with their local data (only their ids are held:
+        #: the data is sliced from the memory-mapped dataset when a task needs it)
+        self.data = HostedData(exp)
         #: (server incarnation, epoch) of that lease
         self.lease_inc, self.epoch = "", -1
         self.leaving = False
@@ -253,7 +254,7 @@ class Client(ServiceBase):
             del self.data[dev]
             shutil.rmtree(self._device_dir(dev), ignore_errors=True)
         for dev in sorted(devices - set(self.data)):
-            self.data[dev] = self.exp.device_data(dev)
+            self.data.add(dev)
             self._create_series(self.fleet[dev])
         self.log.info(
             "serving %d devices (lease %d)", len(self.data), self.epoch + 1, extra={"event": "lease_applied"}
