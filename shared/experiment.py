@@ -10,7 +10,7 @@ needs only the model's layout (``aggregation_strategy``) never imports it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, NoReturn
@@ -153,14 +153,16 @@ class Experiment:
         ).total
 
     @cached_property
-    def fleet(self) -> list[Device]:
-        """The devices, built the same way in every process from the config and seed."""
+    def fleet(self) -> Sequence[Device]:
+        """The devices, built the same way in every process from the config and seed; indexed by
+        device id. A fleet of tiers makes each profile from the seed when asked (``LazyFleet``)."""
         return build_fleet(
             self.cfg.fleet,
             self.cfg.num_devices,
             full_footprint_bytes=self.full_footprint_bytes,
             seed=self.cfg.seed,
             source="fleet",
+            lazy=True,
         )
 
     @cached_property

@@ -229,3 +229,26 @@ def test_samples_per_device_belongs_to_the_sampled_scheme() -> None:
     raw["dataset"] = {**raw["dataset"], "samples_per_device": 6}
     with pytest.raises(ConfigError, match="sampled only"):
         parse_config(raw)
+
+
+# -- device profiles made from the seed on demand -------------------------------------------------
+@pytest.mark.parametrize("spec", [{"preset": "mobile"}, {"preset": "mobile", "assignment": "blocks"}])
+def test_a_lazy_fleet_has_the_devices_the_list_has(spec: dict[str, str]) -> None:
+    from shared.devices import LazyFleet, build_fleet
+
+    listed = build_fleet(spec, 3000, full_footprint_bytes=10**7, seed=4)
+    lazy = build_fleet(spec, 3000, full_footprint_bytes=10**7, seed=4, lazy=True)
+    assert isinstance(lazy, LazyFleet) and len(lazy) == 3000
+    assert list(lazy) == list(listed)  # equal profiles, in id order
+    assert lazy[2999] == listed[2999] and lazy[-1] == listed[-1] and lazy[10:13] == list(listed[10:13])
+    assert len(lazy._recent) <= LazyFleet.CACHE  # it keeps only the recently used ones
+
+
+def test_the_experiment_fleet_is_lazy() -> None:
+    from shared.config import parse_config
+    from shared.devices import LazyFleet
+
+    raw = load_config(QUICKSTART).model_dump(mode="json")
+    raw["fleet"] = {"preset": "mobile"}
+    exp = Experiment.build(parse_config(raw))
+    assert isinstance(exp.fleet, LazyFleet)

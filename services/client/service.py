@@ -123,7 +123,7 @@ class Client(ServiceBase):
         self.emulation = cfg.emulation
         self.hosts_cfg = cfg.hosts
         self.on_stop_mode = on_stop
-        self.fleet = {d.device_id: d for d in exp.fleet}
+        self.fleet = exp.fleet  # indexed by device id; profiles made on demand (shared.devices.LazyFleet)
         #: first-finishers protocol: when on, devices report ``ready`` and upload only on ``go``
         self.ready_protocol = cfg.emulation.over_selection > 1 or cfg.emulation.round_deadline_s is not None
         self.held: dict[tuple[str, int, int], _Held] = {}
@@ -247,7 +247,7 @@ class Client(ServiceBase):
     def _apply_lease(self, devices: set[int]) -> None:
         """Serve exactly ``devices``: load the new ones' data, forget the others (their state is already
         with the server). Their tasks come to this host's own key, whichever devices it serves."""
-        unknown = sorted(dev for dev in devices if dev not in self.fleet)
+        unknown = sorted(dev for dev in devices if not 0 <= dev < len(self.fleet))
         if unknown:
             raise ValueError(f"lease names devices outside the fleet: {unknown[:5]}")
         for dev in sorted(set(self.data) - devices):

@@ -16,6 +16,7 @@ from .availability import dropout_point, drops_out, is_online, online_devices, o
 from .fleet import (
     PRESETS,
     FleetSpec,
+    LazyFleet,
     Range,
     TierSpec,
     build_fleet,
@@ -92,6 +93,7 @@ __all__ = [
     "FleetError",
     "FleetSpec",
     "LayerFlops",
+    "LazyFleet",
     "OnlineTrace",
     "Optimizer",
     "Range",
