@@ -8,6 +8,7 @@ holding its own (issue 16, lean processes); the same goes for a model's layout (
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 
@@ -18,5 +19,10 @@ def cache_dir() -> Path:
     configured = Settings().cache_dir
     if configured is not None:
         return Path(configured).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    base = os.environ.get("XDG_CACHE_HOME")
+    if not base:
+        try:
+            base = str(Path.home() / ".cache")
+        except (RuntimeError, KeyError):  # no home directory (a container's arbitrary user id)
+            base = os.path.join(tempfile.gettempdir(), "fedfleet-cache")
     return Path(base) / "fedfleet"
