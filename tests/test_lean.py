@@ -252,3 +252,22 @@ def test_the_experiment_fleet_is_lazy() -> None:
     raw["fleet"] = {"preset": "mobile"}
     exp = Experiment.build(parse_config(raw))
     assert isinstance(exp.fleet, LazyFleet)
+
+
+def test_a_hosted_device_keeps_at_most_its_declared_resident_bytes() -> None:
+    """What a host tells the server a device costs (``per_device_bytes``, which sizes its capacity
+    under a memory limit) bounds what serving one more device really takes: measured over 20,000."""
+    import tracemalloc
+
+    from services.client.service import per_device_bytes
+    from shared.experiment import HostedData
+
+    exp = Experiment.build(load_config(QUICKSTART))
+    hosted = HostedData(exp)
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for device in range(100_000, 120_000):
+        hosted.add(device)
+    per_device = (tracemalloc.get_traced_memory()[0] - before) / 20_000
+    tracemalloc.stop()
+    assert 0 < per_device <= per_device_bytes(exp)

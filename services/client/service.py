@@ -74,8 +74,10 @@ from shared.transport import (
 
 
 def per_device_bytes(exp: Experiment) -> int:
-    """Memory one hosted device keeps resident: its share of the training data, copied out of the
-    dataset when the device is leased (its state lives on disk, not in memory)."""
+    """Memory one hosted device may keep resident: its share of the training data. An upper bound:
+    a host keeps only the device's id (``HostedData``) and slices its samples from the shared,
+    memory-mapped dataset while its task trains; its state lives on disk. Kept at the data share so
+    that the Kubernetes sizing (docs/kubernetes.md, "Sizing") stays what it was."""
     x = exp.train_x
     sample = int(x[0].nbytes) if len(x) else 0
     return max(1, sample * -(-len(x) // exp.cfg.num_devices))
