@@ -1,8 +1,12 @@
 """Thousands of phones on one machine: memory, round time and registration at fleet scale.
 
 Usage: ``python benchmarks/bench_scale.py [--devices 10000] [--per-round 1000] [--rounds 3]
-[--clients 4] [--aggregators 2] [--out FILE]``; ``make bench-scale`` runs it and writes its table,
-with the command, into ``benchmarks/results-scale.md``.
+[--clients 4] [--aggregators 2] [--samples-per-device N] [--out FILE]``; ``make bench-scale`` runs it
+and writes its table, with the command, into ``benchmarks/results-scale.md``.
+
+``--samples-per-device N`` deals the data with the ``sampled`` partition (each device draws N samples
+of the pool from its own seed) instead of ``iid``: how a fleet larger than the dataset (100,000
+devices on Fashion-MNIST's 60,000 samples) is run.
 
 The scenario (issue 16): ``experiments/fleet_2000.yaml`` — FedAvg on Fashion-MNIST, the ``mobile``
 phone preset — with ``--devices`` registered devices, ``--per-round`` kept per round with
@@ -44,7 +48,14 @@ from bench_rounds import _roles  # noqa: E402
 RUN_TIMEOUT_S = 1800.0
 
 
-def scenario(devices: int, per_round: int, rounds: int, clients: int, aggregators: int) -> dict[str, Any]:
+def scenario(
+    devices: int,
+    per_round: int,
+    rounds: int,
+    clients: int,
+    aggregators: int,
+    samples_per_device: int | None = None,
+) -> dict[str, Any]:
     cfg = yaml.safe_load((REPO / "experiments" / "fleet_2000.yaml").read_text())
     cfg.update(
         name=f"bench-scale-{devices}",
@@ -55,6 +66,8 @@ def scenario(devices: int, per_round: int, rounds: int, clients: int, aggregator
         round_timeout_s=600,
     )
     cfg["dataset"] = {**cfg["dataset"], "partition": "iid"}
+    if samples_per_device is not None:
+        cfg["dataset"] = {**cfg["dataset"], "partition": "sampled", "samples_per_device": samples_per_device}
     cfg["processes"] = {"clients": clients, "aggregators": aggregators}
     cfg["hosts"] = {"join_quiet_s": 3.0, "lease_timeout_s": 60.0}
     return dict(cfg)
@@ -163,13 +176,21 @@ def _invited(server: Any, exp: Any, rnd: int) -> list[int]:
 
 
 def run(
-    devices: int, per_round: int, rounds: int, clients: int, aggregators: int, runs_dir: Path
+    devices: int,
+    per_round: int,
+    rounds: int,
+    clients: int,
+    aggregators: int,
+    runs_dir: Path,
+    samples_per_device: int | None = None,
 ) -> dict[str, Any]:
     runs_dir.mkdir(parents=True, exist_ok=True)
     run_id = f"bench-scale-{devices}-{time.strftime('%H%M%S')}"
     cfg_path = runs_dir / f"{run_id}.yaml"
     cfg_path.write_text(
-        yaml.safe_dump(scenario(devices, per_round, rounds, clients, aggregators), sort_keys=False)
+        yaml.safe_dump(
+            scenario(devices, per_round, rounds, clients, aggregators, samples_per_device), sort_keys=False
+        )
     )
     log_path = runs_dir / f"{run_id}.log"
     argv = [sys.executable, "-m", "services.cli", "run", str(cfg_path), "--transport", "amqp"]
@@ -253,17 +274,30 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--aggregators", type=int, default=2)
+    p.add_argument("--samples-per-device", type=int, help="the sampled partition with this many samples each")
     p.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "bench-scale")
     p.add_argument("--json", type=Path)
     p.add_argument("--out", type=Path, help="also write the table, with the command, to this markdown file")
+    p.add_argument("--append", action="store_true", help="append to --out instead of replacing it")
     args = p.parse_args()
-    r = run(args.devices, args.per_round, args.rounds, args.clients, args.aggregators, args.runs_dir)
+    r = run(
+        args.devices,
+        args.per_round,
+        args.rounds,
+        args.clients,
+        args.aggregators,
+        args.runs_dir,
+        args.samples_per_device,
+    )
     if args.json:
         args.json.write_text(json.dumps(r, indent=2))
     text = table(r, args.devices, args.per_round)
     if args.out:
         command = " ".join(["python", "benchmarks/bench_scale.py", *sys.argv[1:]])
-        args.out.write_text(f"Command: `{command}` ({time.strftime('%Y-%m-%d')})\n\n{text}\n")
+        block = f"Command: `{command}` ({time.strftime('%Y-%m-%d')})\n\n{text}\n"
+        if args.append and args.out.exists():
+            block = args.out.read_text() + "\n" + block
+        args.out.write_text(block)
     print(text)
     return 0
 

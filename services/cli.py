@@ -40,6 +40,7 @@ from shared.config import (
 from shared.results import read_summary, write_summary
 
 if TYPE_CHECKING:  # torch stays out of the CLI's start-up path
+    from shared.algorithms.base import Strategy
     from shared.experiment import Experiment
 
 console = Console(stderr=True)
@@ -187,12 +188,12 @@ def cmd_aggregator(args: argparse.Namespace) -> int:
     setup_logging(settings.log_level)
     cfg = _load(args.config)
     exp_id = _experiment_id(args, cfg, settings)
-    exp = _experiment(cfg, args.config)
+    exp, strategy = _aggregation(cfg, args.config)
     metrics.serve(_metrics_port(args, settings, "aggregator"))
     transport = _transport(settings.rabbitmq_url, exp_id)
     agg = Aggregator(
         transport,
-        exp.strategy,
+        strategy,
         experiment_id=exp_id,
         algorithm=cfg.algorithm.name,
         # the pod's name on Kubernetes: its queue is named after it, so two aggregators must never
@@ -538,6 +539,23 @@ def _experiment(cfg: ExperimentConfig, source: str) -> Experiment:
         console.print(f"[red]cannot run {source}[/red]: {built}")
         raise SystemExit(2)
     return built
+
+
+def _aggregation(cfg: ExperimentConfig, source: str) -> tuple[Experiment, Strategy]:
+    """The experiment and strategy of an aggregator: ``Experiment.aggregation_strategy``, with no
+    model and no torch when the algorithm allows it (issue 16). Exit 2 with the reason when the
+    experiment cannot be made (a missing dataset, a bad partition, an unknown algorithm)."""
+    from shared.data import DatasetUnavailable
+    from shared.experiment import Experiment
+
+    try:
+        exp = Experiment.build(cfg)
+        strategy = exp.aggregation_strategy
+        _ = exp.partitions
+    except (DatasetUnavailable, ValueError, RuntimeError) as err:
+        console.print(f"[red]cannot run {source}[/red]: {err}")
+        raise SystemExit(2) from None
+    return exp, strategy
 
 
 def cmd_report(args: argparse.Namespace) -> int:

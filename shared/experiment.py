@@ -3,22 +3,40 @@
 Why one builder: the server, every aggregator and every client process build the *same* experiment
 from the same YAML, independently. Determinism (same seed → same partition, same initial model) is
 what lets a device be hosted by any client process and still train identically.
+
+Nothing here imports torch until a model is built: an aggregator of an algorithm whose aggregation
+needs only the model's layout (``aggregation_strategy``) never imports it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
-import torch
 
 from shared import algorithms
 from shared.algorithms.base import DeviceData, Strategy, StrategyContext, derive_seed
 from shared.config import ExperimentConfig
-from shared.data import Dataset, load_dataset, noise_seed, noisy_dataset, partition, split_local
-from shared.devices import Device, Optimizer, build_fleet, training_footprint
-from shared.models import build_model, initialise
+from shared.data import (
+    SAMPLED,
+    Dataset,
+    IndexPartition,
+    Partition,
+    SampledPartition,
+    load_dataset,
+    noise_seed,
+    noisy_dataset,
+    partition,
+    split_local,
+)
+from shared.devices import Device, Optimizer, build_fleet
+from shared.statespec import state_spec
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -43,23 +61,35 @@ class Experiment:
         return self.dataset.y_train[:limit] if limit else self.dataset.y_train
 
     @cached_property
-    def partitions(self) -> list[np.ndarray]:
+    def partitions(self) -> Partition:
+        """Each device's training indices (``shared.data.partitioning``): packed, or drawn on demand."""
         d = self.cfg.dataset
-        return partition(
-            self.train_y,
-            self.cfg.num_devices,
-            d.partition,
-            seed=derive_seed(self.cfg.seed, "partition") % (2**32),
-            alpha=d.alpha,
-            classes_per_device=d.classes_per_device,
-            shards_per_device=d.shards_per_device,
-            min_samples=d.min_samples,
+        seed = derive_seed(self.cfg.seed, "partition") % (2**32)
+        if d.partition == SAMPLED:
+            pool = len(self.train_y)
+            per_device = d.samples_per_device or max(d.min_samples, pool // self.cfg.num_devices)
+            return SampledPartition(pool, self.cfg.num_devices, per_device, seed)
+        return IndexPartition(
+            partition(
+                self.train_y,
+                self.cfg.num_devices,
+                d.partition,
+                seed=seed,
+                alpha=d.alpha,
+                classes_per_device=d.classes_per_device,
+                shards_per_device=d.shards_per_device,
+                min_samples=d.min_samples,
+            )
         )
 
     def model(self) -> torch.nn.Module:
         """A fresh model with the experiment's deterministic initial weights."""
         # the CPU generator only: torch.manual_seed also runs accelerator seeding hooks, which in
         # torch 2.13 cost ~1 ms per call — and a model is built for every task
+        import torch
+
+        from shared.models import build_model, initialise
+
         torch.default_generator.manual_seed(derive_seed(self.cfg.seed, "init") % (2**31))
         model = build_model(
             self.cfg.model.name, self.dataset.input_shape, self.dataset.num_classes, **self.cfg.model.options
@@ -68,6 +98,22 @@ class Experiment:
 
     @cached_property
     def strategy(self) -> Strategy:
+        return self._strategy(lean=False)
+
+    @cached_property
+    def aggregation_strategy(self) -> Strategy:
+        """The strategy as an aggregator needs it: for an algorithm that ``aggregates_from_layout``,
+        one with the model's layout (``shared.statespec``) and no model, so the process imports no
+        torch; otherwise the same as ``strategy``."""
+        return self._strategy(lean=algorithms.get(self.cfg.algorithm.name).aggregates_from_layout)
+
+    def _no_model(self) -> NoReturn:
+        raise RuntimeError(
+            f"{self.cfg.algorithm.name}: this strategy was built for aggregation only and holds no "
+            "model; an algorithm whose aggregation needs the model must not set aggregates_from_layout"
+        )
+
+    def _strategy(self, *, lean: bool) -> Strategy:
         cls = algorithms.get(self.cfg.algorithm.name)
         options = algorithms.parse_options(self.cfg.algorithm.name, self.cfg.algorithm.options)
         algorithms.check_train(self.cfg.algorithm.name, self.cfg.train)
@@ -76,8 +122,12 @@ class Experiment:
             from shared.algorithms import robust
 
             cls = robust.wrap(cls)
+        spec = None
+        if lean:
+            m = self.cfg.model
+            spec = state_spec(m.name, m.options, self.dataset.input_shape, self.dataset.num_classes)
         ctx = StrategyContext(
-            model_factory=self.model,
+            model_factory=self._no_model if lean else self.model,
             input_shape=self.dataset.input_shape,
             num_classes=self.dataset.num_classes,
             train=self.cfg.train,
@@ -85,6 +135,7 @@ class Experiment:
             options=options,
             optimizer=self.optimizer,
             robust=self.cfg.robust,
+            state_spec=spec,
         )
         return cls(ctx)
 
@@ -95,19 +146,23 @@ class Experiment:
     @cached_property
     def full_footprint_bytes(self) -> int:
         """Training footprint of the whole model at the configured batch size (the 100% of fleets)."""
+        from shared.devices import training_footprint
+
         return training_footprint(
             self.model(), self.dataset.input_shape, self.cfg.train.batch_size, optimizer=self.optimizer
         ).total
 
     @cached_property
-    def fleet(self) -> list[Device]:
-        """The devices, built the same way in every process from the config and seed."""
+    def fleet(self) -> Sequence[Device]:
+        """The devices, built the same way in every process from the config and seed; indexed by
+        device id. A fleet of tiers makes each profile from the seed when asked (``LazyFleet``)."""
         return build_fleet(
             self.cfg.fleet,
             self.cfg.num_devices,
             full_footprint_bytes=self.full_footprint_bytes,
             seed=self.cfg.seed,
             source="fleet",
+            lazy=True,
         )
 
     @cached_property
@@ -133,3 +188,40 @@ class Experiment:
             tr, te = idx, idx[:0]
         x, y = self.train_x, self.train_y
         return DeviceData(x[tr], y[tr], x[te], y[te])
+
+
+class HostedData(Mapping[int, DeviceData]):
+    """The local data of the devices a client host serves, by device id.
+
+    Only the ids are kept: each access slices the device's samples out of the (memory-mapped,
+    read-only) dataset, so a served device that is not training holds no copy of its data, and the
+    host's memory does not grow with the devices it serves (issue 16, lean processes). Slicing a few
+    dozen samples costs microseconds next to a task's training.
+    """
+
+    def __init__(self, exp: Experiment) -> None:
+        self._exp = exp
+        self._ids: set[int] = set()
+
+    def add(self, device: int) -> None:
+        self._ids.add(device)
+
+    def __delitem__(self, device: int) -> None:
+        self._ids.remove(device)
+
+    def clear(self) -> None:
+        self._ids.clear()
+
+    def __contains__(self, device: object) -> bool:
+        return device in self._ids
+
+    def __getitem__(self, device: int) -> DeviceData:
+        if device not in self._ids:
+            raise KeyError(device)
+        return self._exp.device_data(device)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._ids)
+
+    def __len__(self) -> int:
+        return len(self._ids)

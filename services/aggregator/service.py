@@ -13,6 +13,10 @@ Bounds (``_bounded``) are checked here, after the sender and shape checks and be
 reduced: once folded into a sum, one bad update can no longer be told apart or taken out, and the
 server merges partials, not updates. Non-finite values and a ``num_samples`` above what the device
 registered are always dead-lettered; ``bounds.max_update_norm`` rejects or clips.
+
+The aggregator only adds arrays: this module and what it imports use numpy, never torch, and
+``fedfleet aggregator`` builds ``Experiment.aggregation_strategy`` — torch-free for an algorithm whose
+aggregation needs only the model's layout (issue 16, lean processes; ``tests/test_lean.py``).
 """
 
 from __future__ import annotations
@@ -43,8 +47,12 @@ REQUEUE_PAUSE_S = 0.05
 
 def registered_samples(exp: Experiment) -> dict[int, int]:
     """The training samples each device has — what the server registers for it, and the most an
-    update from it may claim (``num_samples`` weighs the update in every mean)."""
-    return {d.device_id: len(exp.partitions[d.device_id]) for d in exp.fleet}
+    update from it may claim (``num_samples`` weighs the update in every mean).
+
+    Every device id the partition covers, without building the fleet: the fleet's profiles are sized
+    by the model's training footprint, which needs torch (and the extra ids of a sparse fleet are
+    harmless: an update from a device that was not selected is refused before its limit is read)."""
+    return {d: exp.partitions.size(d) for d in range(exp.cfg.num_devices)}
 
 
 @dataclass

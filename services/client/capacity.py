@@ -4,9 +4,9 @@ Why the host says it: on Kubernetes a pod's memory limit is the hard truth (the 
 that crosses it), and only the pod can read it (its cgroup). The server then never leases a host
 more devices than fit, nor a device whose largest task would not fit beside them.
 
-A host trains one task at a time, so memory is: the process itself (interpreter, torch, the dataset)
-+ every hosted device's resident part (its data split, its stored state) + the largest task it may
-train. ``--max-devices`` caps the count further.
+A host trains one task at a time, so memory is: the process itself (interpreter, torch, the mapped
+dataset) + every hosted device's resident part (at most its data split, sliced while it trains; its
+state is on disk) + the largest task it may train. ``--max-devices`` caps the count further.
 """
 
 from __future__ import annotations

@@ -38,11 +38,11 @@ from typing import Any
 
 from services.common import MessageHandler, ServiceBase, decode_tensors, encode_tensors
 from shared import metrics
-from shared.algorithms.base import DeviceContext, DeviceData, TaskSpec, UpdateSpec, derive_seed
+from shared.algorithms.base import DeviceContext, TaskSpec, UpdateSpec, derive_seed
 from shared.algorithms.device_state import atomic_write_bytes
 from shared.codec import tensorset
 from shared.devices import Device, admit, dropout_point, emulate_compute, emulate_transfer, transfer_seconds
-from shared.experiment import Experiment
+from shared.experiment import Experiment, HostedData
 from shared.schemas import (
     DeviceState,
     Envelope,
@@ -74,8 +74,10 @@ from shared.transport import (
 
 
 def per_device_bytes(exp: Experiment) -> int:
-    """Memory one hosted device keeps resident: its share of the training data, copied out of the
-    dataset when the device is leased (its state lives on disk, not in memory)."""
+    """Memory one hosted device may keep resident: its share of the training data. An upper bound:
+    a host keeps only the device's id (``HostedData``) and slices its samples from the shared,
+    memory-mapped dataset while its task trains; its state lives on disk. Kept at the data share so
+    that the Kubernetes sizing (docs/kubernetes.md, "Sizing") stays what it was."""
     x = exp.train_x
     sample = int(x[0].nbytes) if len(x) else 0
     return max(1, sample * -(-len(x) // exp.cfg.num_devices))
@@ -123,7 +125,7 @@ class Client(ServiceBase):
         self.emulation = cfg.emulation
         self.hosts_cfg = cfg.hosts
         self.on_stop_mode = on_stop
-        self.fleet = {d.device_id: d for d in exp.fleet}
+        self.fleet = exp.fleet  # indexed by device id; profiles made on demand (shared.devices.LazyFleet)
         #: first-finishers protocol: when on, devices report ``ready`` and upload only on ``go``
         self.ready_protocol = cfg.emulation.over_selection > 1 or cfg.emulation.round_deadline_s is not None
         self.held: dict[tuple[str, int, int], _Held] = {}
@@ -134,8 +136,9 @@ class Client(ServiceBase):
         self.payload_layouts: dict[bytes, bytes] = {}
         self.payload_round: tuple[str, int] = ("", -1)
         self.waiting: dict[bytes, list[tuple[Envelope, Task, Delivery]]] = {}
-        #: the devices of the newest lease applied, with their local data
-        self.data: dict[int, DeviceData] = {}
+        #: the devices of the newest lease applied, with their local data (only their ids are held:
+        #: the data is sliced from the memory-mapped dataset when a task needs it)
+        self.data = HostedData(exp)
         #: (server incarnation, epoch) of that lease
         self.lease_inc, self.epoch = "", -1
         self.leaving = False
@@ -246,14 +249,14 @@ class Client(ServiceBase):
     def _apply_lease(self, devices: set[int]) -> None:
         """Serve exactly ``devices``: load the new ones' data, forget the others (their state is already
         with the server). Their tasks come to this host's own key, whichever devices it serves."""
-        unknown = sorted(dev for dev in devices if dev not in self.fleet)
+        unknown = sorted(dev for dev in devices if not 0 <= dev < len(self.fleet))
         if unknown:
             raise ValueError(f"lease names devices outside the fleet: {unknown[:5]}")
         for dev in sorted(set(self.data) - devices):
             del self.data[dev]
             shutil.rmtree(self._device_dir(dev), ignore_errors=True)
         for dev in sorted(devices - set(self.data)):
-            self.data[dev] = self.exp.device_data(dev)
+            self.data.add(dev)
             self._create_series(self.fleet[dev])
         self.log.info(
             "serving %d devices (lease %d)", len(self.data), self.epoch + 1, extra={"event": "lease_applied"}

@@ -2,6 +2,10 @@
 
 Modules in this package that define a ``Strategy`` subclass with a ``name`` register themselves by
 being here — adding an algorithm means adding one file, and no list elsewhere can forget it.
+
+``get(name)`` imports only ``shared/algorithms/<name>.py`` (each algorithm lives in the module named
+after it); the full ``REGISTRY`` imports every module on first use. Why: most algorithm modules
+import torch, and an aggregator of a torch-free algorithm (FedAvg) must not import them.
 """
 
 from __future__ import annotations
@@ -9,7 +13,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import pkgutil
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
@@ -33,14 +37,51 @@ def _discover() -> dict[str, type[Strategy]]:
     return found
 
 
-REGISTRY: dict[str, type[Strategy]] = _discover()
+if TYPE_CHECKING:
+    REGISTRY: dict[str, type[Strategy]]
+
+
+def _registry() -> dict[str, type[Strategy]]:
+    """Every algorithm (importing every algorithm module, once)."""
+    registry: dict[str, type[Strategy]] | None = globals().get("REGISTRY")
+    if registry is None:
+        registry = _discover()
+        globals()["REGISTRY"] = registry
+    return registry
+
+
+def __getattr__(name: str) -> Any:
+    if name == "REGISTRY":
+        return _registry()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _own_module(name: str) -> type[Strategy] | None:
+    """The strategy called ``name`` in ``shared/algorithms/<name>.py``, importing nothing else."""
+    if not name.isidentifier() or name in _INFRA or name.startswith("_"):
+        return None
+    if not any(info.name == name for info in pkgutil.iter_modules(__path__)):
+        return None
+    module = importlib.import_module(f"{__name__}.{name}")
+    for _, obj in inspect.getmembers(module, inspect.isclass):
+        if (
+            issubclass(obj, Strategy)
+            and obj.__module__ == module.__name__
+            and obj.__dict__.get("name") == name
+        ):
+            return obj
+    return None
 
 
 def get(name: str) -> type[Strategy]:
+    found = _own_module(name)
+    if found is not None:
+        return found
+    registry = _registry()
     try:
-        return REGISTRY[name]
+        return registry[name]
     except KeyError:
-        raise ValueError(f"unknown algorithm {name!r}; available: {', '.join(sorted(REGISTRY))}") from None
+        raise ValueError(f"unknown algorithm {name!r}; available: {', '.join(sorted(registry))}") from None
 
 
 def parse_options(name: str, options: dict[str, Any], source: str = "algorithm.options") -> Any:
@@ -56,7 +97,8 @@ def parse_options(name: str, options: dict[str, Any], source: str = "algorithm.o
 def check_train(name: str, train: TrainConfig) -> None:
     """Refuse training settings the algorithm would silently ignore (``train.local_steps``)."""
     if train.local_steps is not None and not get(name).supports_local_steps:
-        takes = sorted(n for n, cls in REGISTRY.items() if cls.supports_local_steps)
+        registry = _registry()
+        takes = sorted(n for n, cls in registry.items() if cls.supports_local_steps)
         raise ValueError(
             f"train.local_steps: algorithm {name!r} counts its local work itself and would ignore it; "
             f"use train.local_epochs (or its own options). local_steps applies to: {', '.join(takes)}"

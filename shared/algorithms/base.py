@@ -23,20 +23,35 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 import numpy as np
-import torch
 from pydantic import BaseModel, ConfigDict
 
 from shared import codec
-from shared.algorithms.training import samples_per_task
 from shared.config import RobustConfig, TrainConfig
-from shared.devices import Optimizer, TrainingFootprint, training_flops, training_footprint
-from shared.models.state import load_arrays as load_arrays  # re-exported: strategies import it from here
-from shared.models.state import model_arrays as model_arrays
+from shared.devices import Optimizer, TrainingFootprint
 from shared.schemas import DeviceInfo
 from shared.seeding import derive_seed as derive_seed
+from shared.statespec import StateSpec
+
+if TYPE_CHECKING:  # torch is imported where a model is built or trained, never by importing this
+    import torch
+
+
+def model_arrays(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    """``shared.models.state.model_arrays`` (imported when first used: it needs torch)."""
+    from shared.models.state import model_arrays as of_model
+
+    return of_model(model)
+
+
+def load_arrays(model: torch.nn.Module, arrays: Mapping[str, np.ndarray]) -> None:
+    """``shared.models.state.load_arrays`` (imported when first used: it needs torch)."""
+    from shared.models.state import load_arrays as into_model
+
+    into_model(model, arrays)
+
 
 #: The registered devices the server plans for: device id → what the device registered (tier, sample
 #: count, profile with ``memory_bytes`` etc.). Passed to ``plan`` on every call rather than held by the
@@ -163,6 +178,16 @@ class StrategyContext:
     optimizer: Optimizer = "sgd"
     #: robust aggregation (``shared.algorithms.robust``); None or inactive: the algorithm's own mean
     robust: RobustConfig | None = None
+    #: the model's layout when it is known without building the model (an aggregator's strategy,
+    #: whose ``model_factory`` refuses: it holds no torch); None: taken from ``model_factory``
+    state_spec: StateSpec | None = None
+
+    def layout(self) -> StateSpec:
+        """Names, shapes and dtypes of the model's state: from ``state_spec`` if given, else by
+        building the model once."""
+        if self.state_spec is None:
+            self.state_spec = StateSpec.of(model_arrays(self.model_factory()))
+        return self.state_spec
 
 
 class Strategy(ABC):
@@ -184,6 +209,11 @@ class Strategy(ABC):
     #: width-slice family); None — anything else (masks, thresholds, personal layers), which a
     #: median, a trimmed mean or Krum cannot replace.
     mean_form: ClassVar[Literal["whole", "coordinate"] | None] = None
+    #: True when the aggregation half (``validate_update``, ``reduce``, ``merge``) needs nothing of
+    #: the model but its layout (``ctx.layout()``) and the module imports no torch: an aggregator then
+    #: runs it without torch and without a model (issue 16, lean processes). False: the aggregator
+    #: builds the strategy as every other process does.
+    aggregates_from_layout: ClassVar[bool] = False
 
     def __init__(self, ctx: StrategyContext) -> None:
         self.ctx = ctx
@@ -265,6 +295,8 @@ class Strategy(ABC):
         key = self.accounting_key(task)
         cache: dict[Hashable, tuple[TrainingFootprint, int]] = self.__dict__.setdefault("_acct_cache", {})
         if key not in cache:
+            from shared.devices import training_flops, training_footprint
+
             model = self.task_model(task)
             trainable = self.task_param_names(task)
             footprint = training_footprint(
@@ -307,4 +339,6 @@ class Strategy(ABC):
         (``samples_per_task``: samples × epochs, or the τ steps' batches) is exact even when the last
         batch is short. Masked algorithms override this to count only kept weights.
         """
+        from shared.algorithms.training import samples_per_task
+
         return self._accounting(task)[1] * samples_per_task(self.ctx.train, num_samples)

@@ -24,13 +24,13 @@ from shared.algorithms.base import (
     load_arrays,
     model_arrays,
 )
-from shared.algorithms.training import evaluate, local_sgd
 
 
 class FedAvg(Strategy):
     name = "fedavg"
     supports_local_steps = True
     mean_form = "whole"
+    aggregates_from_layout = True
 
     # -- server half -------------------------------------------------------------------------------
     def init_state(self) -> ServerState:
@@ -54,12 +54,16 @@ class FedAvg(Strategy):
         return ServerState(arrays, dict(state.meta))
 
     def evaluate(self, state: ServerState, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
+        from shared.algorithms.training import evaluate
+
         model = self.ctx.model_factory()
         load_arrays(model, state.arrays)
         return evaluate(model, x, y)
 
     # -- client half -------------------------------------------------------------------------------
     def train(self, task: TaskSpec, device: DeviceContext) -> UpdateSpec:
+        from shared.algorithms.training import local_sgd  # torch: the client half only
+
         model = self.ctx.model_factory()
         current = model_arrays(model)
         for name, t in task.tensors.items():
@@ -77,7 +81,7 @@ class FedAvg(Strategy):
     @cached_property
     def _expected_shapes(self) -> dict[str, tuple[int, ...]]:
         """Names and shapes an update must carry (computed once: aggregators validate every update)."""
-        return {k: v.shape for k, v in model_arrays(self.ctx.model_factory()).items() if v.dtype.kind == "f"}
+        return self.ctx.layout().shapes(floats_only=True)
 
     def validate_update(self, update: UpdateSpec) -> None:
         expected = self._expected_shapes

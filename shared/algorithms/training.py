@@ -61,8 +61,8 @@ def local_sgd(
     masked = [(named[name], m) for name, m in (masks or {}).items()]
     opt = torch.optim.SGD(trainable, lr=train.lr, momentum=train.momentum, weight_decay=train.weight_decay)
     rng = np.random.default_rng(seed)
-    xt = x if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
-    yt = y if isinstance(y, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(y, dtype=np.int64))
+    xt = x if isinstance(x, torch.Tensor) else as_tensor(x, np.float32)
+    yt = y if isinstance(y, torch.Tensor) else as_tensor(y, np.int64)
     losses: list[float] = []
     rates: list[float] = []
     loss_fn = nn.CrossEntropyLoss()
@@ -137,6 +137,13 @@ def samples_per_task(train: TrainConfig, num_samples: int) -> int:
     return full * stop + sum(batches[:rest])
 
 
+def as_tensor(a: np.ndarray, dtype: type[np.generic]) -> torch.Tensor:
+    """``a`` as a tensor sharing its memory, copied only when ``a`` is read-only (a slice of the
+    memory-mapped dataset: torch would warn that it cannot guard such memory from writes)."""
+    arr = np.ascontiguousarray(a, dtype=dtype)
+    return torch.from_numpy(arr if arr.flags.writeable else arr.copy())
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray, batch_size: int = 1024) -> dict[str, float]:
     """Accuracy and mean cross-entropy on (x, y)."""
@@ -147,8 +154,8 @@ def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray, batch_size: int = 1
     loss_sum = 0.0
     loss_fn = nn.CrossEntropyLoss(reduction="sum")
     for start in range(0, len(y), batch_size):
-        xb = torch.from_numpy(np.ascontiguousarray(x[start : start + batch_size], dtype=np.float32))
-        yb = torch.from_numpy(np.ascontiguousarray(y[start : start + batch_size], dtype=np.int64))
+        xb = as_tensor(x[start : start + batch_size], np.float32)
+        yb = as_tensor(y[start : start + batch_size], np.int64)
         out = model(xb)
         loss_sum += float(loss_fn(out, yb))
         correct += int((out.argmax(1) == yb).sum())

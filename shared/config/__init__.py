@@ -39,8 +39,10 @@ class DatasetConfig(_Strict):
     #: directory of a user-supplied dataset (None = the packaged copy where one exists)
     path: str | None = None
     #: how training samples are dealt to devices: ``iid``; ``dirichlet`` (label skew of strength
-    #: ``alpha``); ``classes`` (``classes_per_device`` labels each); ``shards`` (McMahan's label shards)
-    partition: Literal["iid", "dirichlet", "classes", "shards"] = "iid"
+    #: ``alpha``); ``classes`` (``classes_per_device`` labels each); ``shards`` (McMahan's label
+    #: shards); ``sampled`` (each device draws ``samples_per_device`` samples of the pool from its own
+    #: seed, when it needs them: fleets larger than the dataset, idle devices that cost nothing)
+    partition: Literal["iid", "dirichlet", "classes", "shards", "sampled"] = "iid"
     #: Dirichlet concentration: small = strong label skew (``dirichlet`` only)
     alpha: float = Field(0.5, gt=0)
     #: labels per device (``classes`` only)
@@ -52,6 +54,10 @@ class DatasetConfig(_Strict):
     #: Why configurable: a device with one sample has no batch statistics and no local validation
     #: split, which EmbracingFL's spec (>= 2) and Hermes' gate need
     min_samples: int = Field(1, ge=1)
+    #: samples each device draws (``sampled`` only; None = the training set divided by the devices,
+    #: at least ``min_samples``). Distinct within a device unless it exceeds the training set;
+    #: devices may share samples.
+    samples_per_device: int | None = Field(None, ge=1)
     #: fraction of each device's samples held out for personalised evaluation (0 = none)
     local_test_fraction: float = Field(0.0, ge=0, lt=1)
     #: how that hold-out is drawn: ``random`` (a uniform draw) or ``stratified`` (per label, so the
@@ -89,6 +95,18 @@ class DatasetConfig(_Strict):
             extra = f" (did you mean '{hint[0]}'?)" if hint else ""
             raise ValueError(f"unknown dataset {name!r}{extra}; valid names: {', '.join(DATASET_NAMES)}")
         return name
+
+    @model_validator(mode="after")
+    def _check_sampled(self) -> DatasetConfig:
+        if self.samples_per_device is not None and self.partition != "sampled":
+            raise ValueError(
+                f"samples_per_device applies to partition: sampled only (partition is {self.partition!r})"
+            )
+        if self.samples_per_device is not None and self.samples_per_device < self.min_samples:
+            raise ValueError(
+                f"samples_per_device ({self.samples_per_device}) is below min_samples ({self.min_samples})"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_local_test(self) -> DatasetConfig:
@@ -479,3 +497,7 @@ class Settings(BaseSettings):
     #: (``http://admin:password@rabbitmq:15672``); with it the server gives each joining client host
     #: a broker user of its own (docs/security.md). Unset: hosts must be given their users.
     broker_admin_url: str | None = None
+    #: where decoded datasets (``.npy``, memory-mapped read-only by every process) and model layouts
+    #: are cached; unset: ``$XDG_CACHE_HOME/fedfleet`` (``~/.cache/fedfleet``). Derived data only,
+    #: safe to delete; processes of one machine share it.
+    cache_dir: Path | None = None

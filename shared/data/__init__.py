@@ -12,7 +12,15 @@ from shared.data.datasets import (
 from shared.data.errors import DatasetFormatError, DatasetUnavailable, UnsafePickleError
 from shared.data.idx import encode_idx, parse_idx, read_idx
 from shared.data.noise import add_feature_noise, noise_seed, noisy_dataset
-from shared.data.partitioning import PARTITION_SCHEMES, partition, split_local
+from shared.data.partitioning import (
+    PARTITION_SCHEMES,
+    SAMPLED,
+    IndexPartition,
+    Partition,
+    SampledPartition,
+    partition,
+    split_local,
+)
 from shared.data.safe_pickle import RestrictedUnpickler, safe_load, safe_loads
 
 __all__ = [
@@ -21,10 +29,14 @@ __all__ = [
     "DIGITS_TRAIN",
     "FASHION_MNIST_DIRS",
     "PARTITION_SCHEMES",
+    "SAMPLED",
     "Dataset",
     "DatasetFormatError",
     "DatasetUnavailable",
+    "IndexPartition",
+    "Partition",
     "RestrictedUnpickler",
+    "SampledPartition",
     "UnsafePickleError",
     "add_feature_noise",
     "encode_idx",

@@ -4,14 +4,24 @@ All schemes are pure functions of ``(labels, arguments, seed)``: the server and 
 process recompute the same split independently instead of shipping index lists around, so
 determinism is part of the contract, not a nicety. Each returns one sorted int64 index array
 per device; the arrays are disjoint and non-empty.
+
+What a process keeps is a :class:`Partition`: the computed split packed into two arrays
+(:class:`IndexPartition`), or — the ``sampled`` scheme, for fleets larger than the dataset — each
+device's draw made from its seed when asked (:class:`SampledPartition`).
 """
 
 from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Sequence
+from typing import overload
 
 import numpy as np
 
 #: partition schemes accepted by :func:`partition`
 PARTITION_SCHEMES: tuple[str, ...] = ("iid", "dirichlet", "classes", "shards")
+#: the scheme made on demand per device (:class:`SampledPartition`), not by :func:`partition`
+SAMPLED = "sampled"
 
 #: how often the Dirichlet scheme redraws before it repairs a too-small device by moving samples
 DIRICHLET_MAX_DRAWS = 100
@@ -192,3 +202,82 @@ def _stratified_pick(idx: np.ndarray, y: np.ndarray, n_test: int, rng: np.random
         take[np.argsort(-frac, kind="stable")[:rest]] += 1
     picked = [rng.permutation(idx[y == c])[:t] for c, t in zip(classes, take, strict=True)]
     return np.concatenate(picked)
+
+
+class Partition(Sequence[np.ndarray]):
+    """Every device's training indices, by device id, held compactly or made on demand.
+
+    Why not a list of arrays: a Python list of 10,000 small arrays costs ~1 KB per device in each
+    of the run's processes, and a client host serves only some of the devices. ``size`` answers
+    "how many samples" without making the device's indices.
+    """
+
+    @abstractmethod
+    def indices(self, device: int) -> np.ndarray:
+        """The device's sorted int64 indices into the training set (read-only)."""
+
+    @abstractmethod
+    def size(self, device: int) -> int: ...
+
+    @overload
+    def __getitem__(self, device: int) -> np.ndarray: ...
+    @overload
+    def __getitem__(self, device: slice) -> list[np.ndarray]: ...
+    def __getitem__(self, device: int | slice) -> np.ndarray | list[np.ndarray]:
+        if isinstance(device, slice):
+            return [self.indices(d) for d in range(len(self))[device]]
+        d = int(device)
+        if d < 0:
+            d += len(self)
+        if not 0 <= d < len(self):
+            raise IndexError(f"device {device} is outside the {len(self)} devices")
+        return self.indices(d)
+
+
+class IndexPartition(Partition):
+    """A computed partition in two arrays (all indices, concatenated, and each device's offset):
+    8 bytes per index plus 8 per device, instead of one Python array object per device."""
+
+    def __init__(self, parts: Sequence[np.ndarray]) -> None:
+        sizes = np.fromiter((len(p) for p in parts), dtype=np.int64, count=len(parts))
+        self._offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        flat = np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]) if len(parts) else np.empty(0)
+        self._flat = flat.astype(np.int64, copy=False)
+        self._flat.flags.writeable = False
+
+    def __len__(self) -> int:
+        return len(self._offsets) - 1
+
+    def indices(self, device: int) -> np.ndarray:
+        return self._flat[self._offsets[device] : self._offsets[device + 1]]
+
+    def size(self, device: int) -> int:
+        return int(self._offsets[device + 1] - self._offsets[device])
+
+
+class SampledPartition(Partition):
+    """The ``sampled`` scheme: each device draws ``per_device`` samples of the pool, uniformly, from
+    its own seed — on demand, so a device that never trains costs nothing, and a fleet may have more
+    devices than the pool has samples (devices then share samples, as phones of one population
+    share a distribution). A device's samples are distinct unless it needs more than the pool holds
+    (then, and only then, it draws with replacement)."""
+
+    def __init__(self, pool: int, num_devices: int, per_device: int, seed: int) -> None:
+        if pool < 1:
+            raise ValueError("the sampled scheme needs a non-empty training set")
+        if per_device < 1:
+            raise ValueError(f"samples_per_device must be >= 1, got {per_device}")
+        self.pool, self.num_devices, self.per_device, self.seed = pool, num_devices, per_device, seed
+
+    def __len__(self) -> int:
+        return self.num_devices
+
+    def indices(self, device: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, int(device)])
+        picked = rng.choice(self.pool, self.per_device, replace=self.per_device > self.pool)
+        out = np.sort(picked.astype(np.int64))
+        out.flags.writeable = False
+        return out
+
+    def size(self, device: int) -> int:
+        return self.per_device

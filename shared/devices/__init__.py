@@ -1,13 +1,22 @@
 """The device layer: profiles and fleets, the memory accountant, FLOPs, link/compute emulation and
 availability. Services import from here; see docs/fleets.md for the user-facing description.
+
+Torch stays out of importing this package: the FLOPs counter and the memory accountant (which run
+torch models) load on first use of one of their names (``__getattr__``), so that processes which only
+need profiles, links and availability — the aggregators, the ``fedfleet run`` parent — never import
+torch (issue 16, lean processes).
 """
 
 from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from .availability import dropout_point, drops_out, is_online, online_devices, over_select
 from .fleet import (
     PRESETS,
     FleetSpec,
+    LazyFleet,
     Range,
     TierSpec,
     build_fleet,
@@ -15,7 +24,7 @@ from .fleet import (
     parse_fleet_spec,
     write_trace,
 )
-from .flops import LayerFlops, forward_flops, layer_flops, training_flops
+from .footprint import Optimizer, TrainingFootprint
 from .link import (
     TimeMode,
     TokenBucket,
@@ -26,22 +35,54 @@ from .link import (
     throttle,
     transfer_seconds,
 )
-from .memory import (
-    Admission,
-    CapacityCount,
-    Optimizer,
-    TrainingFootprint,
-    admit,
-    clear_cache,
-    embracingfl_capacity,
-    embracingfl_counts,
-    estimate_activation_bytes,
-    format_bytes,
-    measure_activation_bytes,
-    trainable_except,
-    training_footprint,
-)
 from .profile import Device, DeviceProfile, FleetError, OnlineTrace, parse_quantity, trace_allows
+
+if TYPE_CHECKING:
+    from .flops import LayerFlops, forward_flops, layer_flops, training_flops
+    from .memory import (
+        Admission,
+        CapacityCount,
+        admit,
+        clear_cache,
+        embracingfl_capacity,
+        embracingfl_counts,
+        estimate_activation_bytes,
+        format_bytes,
+        measure_activation_bytes,
+        trainable_except,
+        training_footprint,
+    )
+
+#: names loaded on first use, by the module that holds them (both import torch)
+_LAZY = {
+    **dict.fromkeys(("LayerFlops", "forward_flops", "layer_flops", "training_flops"), ".flops"),
+    **dict.fromkeys(
+        (
+            "Admission",
+            "CapacityCount",
+            "admit",
+            "clear_cache",
+            "embracingfl_capacity",
+            "embracingfl_counts",
+            "estimate_activation_bytes",
+            "format_bytes",
+            "measure_activation_bytes",
+            "trainable_except",
+            "training_footprint",
+        ),
+        ".memory",
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "PRESETS",
@@ -52,6 +93,7 @@ __all__ = [
     "FleetError",
     "FleetSpec",
     "LayerFlops",
+    "LazyFleet",
     "OnlineTrace",
     "Optimizer",
     "Range",

@@ -23,10 +23,13 @@ import difflib
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .profile import (
@@ -422,8 +425,15 @@ def _assign(counts: Mapping[str, int], n: int, seed: int, how: str) -> list[str]
 
 
 def _from_tiers(
-    tiers: Mapping[str, TierSpec], n: int, *, full_footprint_bytes: int, seed: int, how: str, where: str
-) -> list[Device]:
+    tiers: Mapping[str, TierSpec],
+    n: int,
+    *,
+    full_footprint_bytes: int,
+    seed: int,
+    how: str,
+    where: str,
+    lazy: bool = False,
+) -> Sequence[Device]:
     counts = _apportion(tiers, n, where)
     labels = _assign(counts, n, seed, how)
     devices: list[Device] = []
@@ -438,9 +448,81 @@ def _from_tiers(
                 reported.add(name)
             continue
         assert profile is not None
-        devices.append(Device(device_id=device_id, profile=profile))
+        if not lazy:  # a lazy fleet checks every device here, and keeps none of them
+            devices.append(Device(device_id=device_id, profile=profile))
     _raise(errors)
+    if lazy:
+        return LazyFleet(tiers, labels, full_footprint_bytes=full_footprint_bytes, seed=seed, where=where)
     return devices
+
+
+class LazyFleet(Sequence[Device]):
+    """A tiered fleet that makes each device's profile from the seed when asked for it.
+
+    Why: a profile is ~2 KB of Python objects, and every process of a run used to hold one for every
+    registered device, though a round touches a thousand of them. This holds each device's tier as
+    a small integer (the tier assignment is a permutation of the whole fleet, so it is computed once)
+    and draws the rest — the same ``_tier_values`` from ``(seed, device_id)`` — on access, keeping the
+    most recently used profiles (``CACHE``). The devices are the ones ``build_fleet`` would list:
+    equal values, in id order; ``build_fleet`` checked every one of them before this was made.
+    """
+
+    #: profiles kept after use (a round's devices are asked for several times while it runs)
+    CACHE = 4096
+
+    def __init__(
+        self,
+        tiers: Mapping[str, TierSpec],
+        labels: Sequence[str],
+        *,
+        full_footprint_bytes: int,
+        seed: int,
+        where: str,
+    ) -> None:
+        self._names = list(tiers)
+        self._tiers = [tiers[name] for name in self._names]
+        index = {name: i for i, name in enumerate(self._names)}
+        self._labels = np.fromiter((index[x] for x in labels), dtype=np.int32, count=len(labels))
+        self._full, self._seed, self._where = full_footprint_bytes, seed, where
+        self._recent: OrderedDict[int, Device] = OrderedDict()
+        self._lock = threading.Lock()  # a host's threads may ask at once
+
+    def __len__(self) -> int:
+        return len(self._labels)
+
+    @overload
+    def __getitem__(self, device: int) -> Device: ...
+    @overload
+    def __getitem__(self, device: slice) -> list[Device]: ...
+    def __getitem__(self, device: int | slice) -> Device | list[Device]:
+        if isinstance(device, slice):
+            return [self[d] for d in range(len(self))[device]]
+        d = int(device)
+        if d < 0:
+            d += len(self)
+        if not 0 <= d < len(self):
+            raise IndexError(f"device {device} is outside the fleet of {len(self)}")
+        with self._lock:
+            hit = self._recent.get(d)
+            if hit is not None:
+                self._recent.move_to_end(d)
+                return hit
+        t = int(self._labels[d])
+        name = self._names[t]
+        values = _tier_values(self._tiers[t], self._seed, d)
+        profile, problems = _profile(values, name, self._full, f"{self._where}.{name}")
+        if profile is None:  # build_fleet checked every device: unreachable unless the code changed
+            raise FleetError("\n".join(problems))
+        made = Device(device_id=d, profile=profile)
+        with self._lock:
+            self._recent[d] = made
+            if len(self._recent) > self.CACHE:
+                self._recent.popitem(last=False)
+        return made
+
+    def __iter__(self) -> Iterator[Device]:
+        for d in range(len(self)):
+            yield self[d]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -636,8 +718,13 @@ def build_fleet(
     seed: int,
     base_dir: Path | None = None,
     source: str = "fleet",
-) -> list[Device]:
+    lazy: bool = False,
+) -> Sequence[Device]:
     """Resolve a fleet description into ``num_devices`` devices with ids ``0..num_devices-1``.
+
+    ``lazy``: a fleet of tiers (a preset or ``tiers``) comes back as a :class:`LazyFleet`, whose
+    profiles are made from the seed on access instead of held (a trace file's rows are data, and
+    stay a list either way).
 
     ``full_footprint_bytes`` is the full model's training footprint (see :mod:`.memory`); it turns every
     ``memory_fraction`` into bytes. ``base_dir`` is where a relative ``trace_file`` is looked up (the
@@ -668,6 +755,7 @@ def build_fleet(
             seed=seed,
             how=fs.assignment,
             where=f"{source}.overrides" if fs.overrides else f"{source}.preset",
+            lazy=lazy,
         )
     if fs.trace_file is None:
         assert fs.tiers is not None
@@ -678,6 +766,7 @@ def build_fleet(
             seed=seed,
             how=fs.assignment,
             where=f"{source}.tiers",
+            lazy=lazy,
         )
     path = Path(fs.trace_file)
     if not path.is_absolute() and base_dir is not None:

@@ -58,11 +58,13 @@ import threading
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+
+from .footprint import Optimizer, TrainingFootprint
 
 __all__ = [
     "Admission",
@@ -82,7 +84,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-Optimizer = Literal["sgd", "sgd_momentum", "adam"]
 #: which parameters train: a predicate on the parameter name, a collection of names, or None (= all)
 Trainable = Callable[[str], bool] | Collection[str] | None
 
@@ -360,42 +361,6 @@ def estimate_activation_bytes(
 
 # --------------------------------------------------------------------------------------------------
 # Footprint
-
-
-@dataclass(frozen=True)
-class TrainingFootprint:
-    """Bytes of one training task, by component (what admission compares with the memory budget)."""
-
-    params_bytes: int
-    grads_bytes: int
-    optimizer_bytes: int
-    activations_bytes: int
-    #: memory that is none of the four (EmbracingFL's cached prefix outputs, the excess of a
-    #: forward-only phase over training): its own term, so an admission message names it instead of
-    #: inflating the activations
-    other_bytes: int = 0
-    #: what ``other_bytes`` is, for the admission message
-    other_label: str = "other"
-
-    @property
-    def total(self) -> int:
-        return (
-            self.params_bytes
-            + self.grads_bytes
-            + self.optimizer_bytes
-            + self.activations_bytes
-            + self.other_bytes
-        )
-
-    def as_dict(self) -> dict[str, int]:
-        return {
-            "params_bytes": self.params_bytes,
-            "grads_bytes": self.grads_bytes,
-            "optimizer_bytes": self.optimizer_bytes,
-            "activations_bytes": self.activations_bytes,
-            "other_bytes": self.other_bytes,
-            "total": self.total,
-        }
 
 
 def format_bytes(n: float) -> str:

@@ -1,0 +1,273 @@
+"""Lean processes (issue 16): what each process holds, checked by what it imports and keeps.
+
+An aggregator only adds arrays, so it must not import torch (hundreds of MiB per process); the checks
+run in a fresh interpreter, since this test process has long imported torch itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shared.config import load_config
+from shared.experiment import Experiment
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "experiments" / "quickstart.yaml"
+
+
+def _python(code: str, cache: Path) -> str:
+    """Run ``code`` in a fresh interpreter (this repository on its path, ``cache`` as the fedfleet
+    cache) and return what it printed."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        "FEDFLEET_CACHE_DIR": str(cache),
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_importing_the_aggregator_imports_no_torch(tmp_path: Path) -> None:
+    out = _python(
+        """
+        import sys
+        import services.aggregator.service
+        print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
+        """,
+        tmp_path,
+    )
+    assert out.strip() == "[]"
+
+
+def test_a_fedavg_aggregator_builds_and_reduces_without_torch(tmp_path: Path) -> None:
+    """What ``fedfleet aggregator`` builds (``services.cli._aggregation``) for FedAvg: a strategy that
+    validates and reduces a model-shaped update, with torch never imported in that process."""
+    out = _python(
+        f"""
+        import json, sys
+        import numpy as np
+        from services.aggregator.service import registered_samples
+        from services.cli import _aggregation
+        from shared import codec
+        from shared.algorithms.base import Partial, UpdateSpec
+        from shared.config import load_config
+
+        exp, strategy = _aggregation(load_config({str(QUICKSTART)!r}), "quickstart")
+        shapes = strategy.ctx.layout().shapes(floats_only=True)
+        update = UpdateSpec({{k: codec.Dense(np.ones(s, np.float32)) for k, s in shapes.items()}}, 3)
+        strategy.validate_update(update)
+        partial = strategy.reduce(Partial(), update)
+        print(json.dumps({{
+            "torch": "torch" in sys.modules,
+            "shapes": {{k: list(s) for k, s in shapes.items()}},
+            "weight": partial.scalars["weight"],
+            "sum": float(sum(a.sum() for a in partial.arrays.values())),
+            "limits": len(registered_samples(exp)),
+        }}))
+        """,
+        tmp_path,
+    )
+    got = json.loads(out)
+    assert got["torch"] is False
+    # the same layout as the model the other processes build with torch
+    full = Experiment.build(load_config(QUICKSTART)).strategy.ctx.layout().shapes(floats_only=True)
+    assert {k: tuple(s) for k, s in got["shapes"].items()} == full
+    assert got["weight"] == 3.0
+    assert got["sum"] == pytest.approx(3.0 * sum(int(np.prod(s)) for s in full.values()))
+    assert got["limits"] == 20
+    assert list((tmp_path / "state-spec").glob("*.json")), "the layout is cached for the next process"
+
+
+def test_an_aggregation_only_strategy_refuses_to_build_a_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FEDFLEET_CACHE_DIR", str(tmp_path))
+    strategy = Experiment.build(load_config(QUICKSTART)).aggregation_strategy
+    with pytest.raises(RuntimeError, match="aggregation only"):
+        strategy.ctx.model_factory()
+
+
+# -- the dataset: decoded once, memory-mapped read-only -------------------------------------------
+def _idx_dataset(directory: Path, n_train: int = 40, n_test: int = 10) -> Path:
+    """Four small Fashion-MNIST-format IDX files."""
+    from shared.data import encode_idx
+
+    rng = np.random.default_rng(0)
+    directory.mkdir(parents=True)
+    for split, n in (("train", n_train), ("t10k", n_test)):
+        images = rng.integers(0, 256, (n, 28, 28), dtype=np.uint8)
+        labels = rng.integers(0, 10, n, dtype=np.uint8)
+        (directory / f"{split}-images-idx3-ubyte").write_bytes(encode_idx(images))
+        (directory / f"{split}-labels-idx1-ubyte").write_bytes(encode_idx(labels))
+    return directory
+
+
+def test_a_file_dataset_is_decoded_once_and_mapped_read_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shared.data import datasets
+
+    source = _idx_dataset(tmp_path / "fmnist")
+    monkeypatch.setenv("FEDFLEET_CACHE_DIR", str(tmp_path / "cache"))
+    plain = datasets.load_dataset("fashion-mnist", source, cache=False)
+    first = datasets.load_dataset("fashion-mnist", source)
+
+    def no_decoding(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a cached dataset must not be decoded again")
+
+    monkeypatch.setattr(datasets, "_load_idx_dataset", no_decoding)
+    again = datasets.load_dataset("fashion-mnist", source)
+    for ds in (first, again):
+        for name in ("x_train", "y_train", "x_test", "y_test"):
+            arr = getattr(ds, name)
+            assert isinstance(arr, np.memmap) and not arr.flags.writeable, name
+            np.testing.assert_array_equal(arr, getattr(plain, name))
+            assert arr.dtype == getattr(plain, name).dtype
+        assert ds.num_classes == plain.num_classes
+    assert len(list((tmp_path / "cache" / "datasets").iterdir())) == 1
+
+
+def test_a_changed_source_file_is_decoded_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from shared.data import encode_idx, load_dataset
+
+    source = _idx_dataset(tmp_path / "fmnist")
+    monkeypatch.setenv("FEDFLEET_CACHE_DIR", str(tmp_path / "cache"))
+    before = load_dataset("fashion-mnist", source)
+    labels = np.zeros(40, dtype=np.uint8)
+    (source / "train-labels-idx1-ubyte").write_bytes(encode_idx(labels))
+    after = load_dataset("fashion-mnist", source)
+    assert before.y_train.any() and not after.y_train.any()
+
+
+# -- partitions: the same indices, held compactly; hosted devices hold ids only --------------------
+@pytest.mark.parametrize("scheme", ["iid", "dirichlet", "classes", "shards"])
+def test_the_packed_partition_has_the_same_indices(scheme: str) -> None:
+    from shared.data import IndexPartition, partition
+
+    labels = np.random.default_rng(1).integers(0, 10, 500)
+    parts = partition(labels, 37, scheme, seed=5)
+    packed = IndexPartition(parts)
+    assert len(packed) == 37
+    for d, p in enumerate(parts):
+        np.testing.assert_array_equal(packed[d], p)
+        assert packed.size(d) == len(p)
+        assert not packed[d].flags.writeable
+    np.testing.assert_array_equal(packed[-1], parts[-1])
+    with pytest.raises(IndexError):
+        _ = packed[37]
+
+
+def test_hosted_data_keeps_ids_and_slices_on_demand() -> None:
+    from shared.experiment import HostedData
+
+    exp = Experiment.build(load_config(QUICKSTART))
+    hosted = HostedData(exp)
+    hosted.add(3)
+    hosted.add(7)
+    assert sorted(hosted) == [3, 7] and 3 in hosted and 4 not in hosted and len(hosted) == 2
+    expected = exp.device_data(3)
+    np.testing.assert_array_equal(hosted[3].x_train, expected.x_train)
+    np.testing.assert_array_equal(hosted[3].y_train, expected.y_train)
+    del hosted[3]
+    with pytest.raises(KeyError):
+        _ = hosted[3]
+    hosted.clear()
+    assert not hosted
+
+
+# -- the sampled scheme: more devices than samples ------------------------------------------------
+def test_sampled_devices_draw_distinct_samples_from_their_seed() -> None:
+    from shared.data import SampledPartition
+
+    p = SampledPartition(pool=50, num_devices=1000, per_device=8, seed=2)
+    assert len(p) == 1000
+    draws = [p[d] for d in range(1000)]
+    for d in draws:
+        assert len(d) == 8 and len(np.unique(d)) == 8  # distinct within a device
+        assert d.min() >= 0 and d.max() < 50
+    np.testing.assert_array_equal(p[123], SampledPartition(50, 1000, 8, 2)[123])  # from the seed
+    assert any(not np.array_equal(draws[0], d) for d in draws[1:])
+    assert len(np.unique(np.concatenate(draws))) == 50  # a thousand devices share the 50 samples
+    assert p.size(999) == 8
+
+
+def test_a_sampled_device_draws_with_replacement_only_when_it_must() -> None:
+    from shared.data import SampledPartition
+
+    d = SampledPartition(pool=5, num_devices=3, per_device=12, seed=0)[1]
+    assert len(d) == 12 and set(d.tolist()) <= set(range(5))
+
+
+def test_a_sampled_fleet_may_be_larger_than_the_dataset() -> None:
+    from shared.config import parse_config
+
+    raw = load_config(QUICKSTART).model_dump(mode="json")
+    raw.update(num_devices=5000, devices_per_round=10)
+    raw["dataset"] = {**raw["dataset"], "partition": "sampled", "samples_per_device": 6}
+    exp = Experiment.build(parse_config(raw))
+    assert exp.cfg.num_devices > len(exp.train_y)
+    data = exp.device_data(4321)
+    assert len(data.y_train) == 6
+    np.testing.assert_array_equal(data.x_train, exp.train_x[exp.partitions[4321]])
+
+
+def test_samples_per_device_belongs_to_the_sampled_scheme() -> None:
+    from shared.config import ConfigError, parse_config
+
+    raw = load_config(QUICKSTART).model_dump(mode="json")
+    raw["dataset"] = {**raw["dataset"], "samples_per_device": 6}
+    with pytest.raises(ConfigError, match="sampled only"):
+        parse_config(raw)
+
+
+# -- device profiles made from the seed on demand -------------------------------------------------
+@pytest.mark.parametrize("spec", [{"preset": "mobile"}, {"preset": "mobile", "assignment": "blocks"}])
+def test_a_lazy_fleet_has_the_devices_the_list_has(spec: dict[str, str]) -> None:
+    from shared.devices import LazyFleet, build_fleet
+
+    listed = build_fleet(spec, 3000, full_footprint_bytes=10**7, seed=4)
+    lazy = build_fleet(spec, 3000, full_footprint_bytes=10**7, seed=4, lazy=True)
+    assert isinstance(lazy, LazyFleet) and len(lazy) == 3000
+    assert list(lazy) == list(listed)  # equal profiles, in id order
+    assert lazy[2999] == listed[2999] and lazy[-1] == listed[-1] and lazy[10:13] == list(listed[10:13])
+    assert len(lazy._recent) <= LazyFleet.CACHE  # it keeps only the recently used ones
+
+
+def test_the_experiment_fleet_is_lazy() -> None:
+    from shared.config import parse_config
+    from shared.devices import LazyFleet
+
+    raw = load_config(QUICKSTART).model_dump(mode="json")
+    raw["fleet"] = {"preset": "mobile"}
+    exp = Experiment.build(parse_config(raw))
+    assert isinstance(exp.fleet, LazyFleet)
+
+
+def test_a_hosted_device_keeps_at_most_its_declared_resident_bytes() -> None:
+    """What a host tells the server a device costs (``per_device_bytes``, which sizes its capacity
+    under a memory limit) bounds what serving one more device really takes: measured over 20,000."""
+    import tracemalloc
+
+    from services.client.service import per_device_bytes
+    from shared.experiment import HostedData
+
+    exp = Experiment.build(load_config(QUICKSTART))
+    hosted = HostedData(exp)
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for device in range(100_000, 120_000):
+        hosted.add(device)
+    per_device = (tracemalloc.get_traced_memory()[0] - before) / 20_000
+    tracemalloc.stop()
+    assert 0 < per_device <= per_device_bytes(exp)
