@@ -505,7 +505,9 @@ class Client(ServiceBase):
         up_s = transfer_seconds(size, device.profile.uplink_bps, device.profile.latency_s)
         data = body(up_s)
         if self.ready_protocol:
-            self.held[(env.inc, env.round, dev)] = _Held(self._hold(data), dense, up_s, device)
+            key = (env.inc, env.round, dev)
+            self._discard_held(lambda k: k == key)  # a redelivered task's earlier answer: replaced
+            self.held[key] = _Held(self._hold(data), dense, up_s, device)
             ready = Ready(device_id=dev, finish_s=down_s + compute_s + up_s, update_bytes=size)
             self._notify(env, msg, ready, Kind.READY)
         else:
