@@ -20,7 +20,10 @@ over-selection 1.3 (so 1.3x that many invited), over RabbitMQ with separate proc
   local training (the same tasks, ``strategy.train``) in one plain Python loop, no messaging,
   measured in this run. ``slowest round / floor`` is the price of the plumbing at scale.
 
-The broker (``beam.smp``) is counted whole: on a shared machine it includes others' queues.
+The broker (``beam.smp``) is counted whole: on a shared machine it includes others' queues. Only the
+broker listening on ``RABBITMQ_URL``'s port is counted (other brokers on the machine, such as the
+throwaway ones of multi-broker tests, are not this run's); if it cannot be found (another user's
+process whose sockets this one may not read), every ``beam.smp`` is, as before 2026-11-26 15:00 UTC.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -84,11 +88,46 @@ def pss_kib(pid: int) -> int | None:
     return None
 
 
+def broker_pid(port: int) -> int | None:
+    """The ``beam.smp`` listening on ``port`` (None if there is none this process may see)."""
+    sockets = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                sockets.add(f"socket:[{f[9]}]")
+    for entry in Path("/proc").iterdir() if sockets else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if not (entry / "cmdline").read_bytes().split(b"\0")[0].endswith(b"beam.smp"):
+                continue
+            if any(os.readlink(fd) in sockets for fd in (entry / "fd").iterdir()):
+                return int(entry.name)
+        except OSError:
+            continue
+    return None
+
+
+def amqp_port() -> int:
+    """The port of the broker a run uses (the first of ``RABBITMQ_URL``'s, else the default)."""
+    url = os.environ.get("RABBITMQ_URL") or "amqp://guest:guest@127.0.0.1:5672/%2F"
+    return urlsplit(url.split(",")[0].strip()).port or 5672
+
+
 @dataclass
 class MemorySampler:
-    """Samples the PSS of the run's processes (and the broker) until stopped."""
+    """Samples the PSS of the run's processes (and the broker) until stopped.
+
+    ``broker``: the run's broker's pid; other ``beam.smp`` processes are left out (None: all count).
+    """
 
     parent: int
+    broker: int | None = None
     interval_s: float = 0.5
     peak_total_kib: int = 0
     peak_by_process: dict[str, int] = field(default_factory=dict)
@@ -100,6 +139,8 @@ class MemorySampler:
     def _run(self) -> None:
         while not self._stop.is_set():
             roles = _roles(self.parent, broker=True)
+            if self.broker is not None:
+                roles = {pid: r for pid, r in roles.items() if r != "broker" or pid == self.broker}
             names = _names(roles)
             total = 0
             for pid, name in names.items():
@@ -200,7 +241,8 @@ def run(
         proc = subprocess.Popen(
             argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, COLUMNS="120")
         )
-        sampler = MemorySampler(proc.pid)
+        broker = broker_pid(amqp_port())
+        sampler = MemorySampler(proc.pid, broker)
         time.sleep(0.5)
         sampler.start()
         try:
@@ -217,6 +259,7 @@ def run(
         "run_dir": str(run_dir.relative_to(REPO)) if run_dir.is_relative_to(REPO) else str(run_dir),
         "wall_s": time.time() - started,
         "peak_pss_mib": sampler.peak_total_kib / 1024,
+        "broker_pid": broker,
         "peak_pss_by_process_mib": {k: v / 1024 for k, v in sorted(sampler.peak_by_process.items())},
         "registration_s": registered,
         "round_s": [float(r["round_seconds"]) for r in rows],

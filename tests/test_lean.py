@@ -271,3 +271,51 @@ def test_a_hosted_device_keeps_at_most_its_declared_resident_bytes() -> None:
     per_device = (tracemalloc.get_traced_memory()[0] - before) / 20_000
     tracemalloc.stop()
     assert 0 < per_device <= per_device_bytes(exp)
+
+
+# -- held updates: on disk until the server's go ---------------------------------------------------
+def test_held_updates_wait_on_disk_and_go_out_unchanged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With over-selection a host holds every trained update until the round's ``go`` (hundreds per
+    host at 10,000 devices). It keeps only where each one's encoded message is; on ``go`` it sends
+    exactly those bytes, once, and deletes them; a discarded one is deleted unsent."""
+    from services.common import ServiceBase
+    from services.orchestrator import InprocCluster
+    from shared.schemas import Kind
+    from tests.conftest import write_config
+
+    cfg = load_config(
+        write_config(
+            tmp_path / "c.yaml", num_devices=12, devices_per_round=4, emulation={"over_selection": 2.0}
+        )
+    )
+    (tmp_path / "run").mkdir()
+    cluster = InprocCluster(Experiment.build(cfg), tmp_path / "run", "held", state_dir=tmp_path / "state")
+    written: dict[Path, bytes] = {}  # each held file's bytes, read while it waited
+    uploaded: list[bytes] = []
+    publish_raw = ServiceBase.publish_raw
+
+    def publish(self: ServiceBase, key: str, kind: Kind, data: bytes, *, dense_bytes: int = 0) -> int:
+        if kind is Kind.UPDATE:
+            uploaded.append(data)
+        return publish_raw(self, key, kind, data, dense_bytes=dense_bytes)
+
+    def look() -> None:
+        for client in cluster.clients:
+            for held in client.held.values():
+                fields = vars(held).values()
+                assert not any(isinstance(v, (bytes, bytearray, memoryview)) for v in fields)
+                written.setdefault(held.path, held.path.read_bytes())
+
+    monkeypatch.setattr(ServiceBase, "publish_raw", publish)
+    try:
+        assert cluster.run(on_step=look, max_steps=200_000) == 0
+    finally:
+        cluster.close()
+    participants = sum(int(row["participants"]) for row in cluster.server.rows)
+    assert written and 0 < participants == len(uploaded) < len(written)  # the surplus was never sent
+    assert set(uploaded) <= set(written.values())  # sent as written
+    assert len(set(uploaded)) == len(uploaded)  # each once
+    for client in cluster.clients:  # nothing left behind: sent, discarded, or dropped at the stop
+        assert not client.held and not any(client.held_dir.glob("*"))

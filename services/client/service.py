@@ -17,7 +17,8 @@ For each task addressed to one of its devices it:
 3. **trains** with the strategy's client half and emulates **compute** time (task FLOPs / device
    FLOP/s);
 4. emulates the **upload** of the encoded update and publishes it — or, when the round keeps only the
-   first finishers, reports ``ready`` and waits for the server's ``go``.
+   first finishers, reports ``ready`` and waits for the server's ``go``, with the encoded update
+   written to the host's state directory (``<state_dir>/held``) rather than kept in memory.
 
 Time is ``virtual`` (durations computed and carried in the update; nothing sleeps) or ``real`` (the
 client sleeps them, divided by the time factor). A task is acked only after its outcome is published,
@@ -32,6 +33,7 @@ from __future__ import annotations
 import math
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,9 +87,15 @@ def per_device_bytes(exp: Experiment) -> int:
 
 @dataclass
 class _Held:
-    """A trained update waiting for the server's ``go`` (first-finishers rounds)."""
+    """A trained update waiting for the server's ``go`` (first-finishers rounds).
 
-    body: bytes
+    Only where its encoded message is: with over-selection a host may hold hundreds of updates until
+    the round's ``go`` (issue 16: ~325 of ~437 KB each per host at 10,000 devices, ~142 MB), and
+    memory, not disk, is what a constrained host lacks. The bytes are written once and read once,
+    unchanged, so what goes on the wire is exactly what would have been sent from memory.
+    """
+
+    path: Path
     dense_bytes: int
     upload_s: float
     device: Device
@@ -129,6 +137,12 @@ class Client(ServiceBase):
         #: first-finishers protocol: when on, devices report ``ready`` and upload only on ``go``
         self.ready_protocol = cfg.emulation.over_selection > 1 or cfg.emulation.round_deadline_s is not None
         self.held: dict[tuple[str, int, int], _Held] = {}
+        #: where held updates' bytes wait. Emptied at start: a restarted host has forgotten which
+        #: tasks they answered (as it did when they lived in memory), so the server's ``go`` for one
+        #: finds nothing and that device's update is not sent — never sent twice.
+        self.held_dir = state_dir / "held"
+        shutil.rmtree(self.held_dir, ignore_errors=True)
+        self._held_seq = 0
         #: the newest round's payloads, decoded (digest → tensors), and tasks waiting for one
         self.payloads: dict[bytes, dict[str, Any]] = {}
         #: payload digest → the digest of its tensors' layout (an update shaped like its task's
@@ -287,6 +301,7 @@ class Client(ServiceBase):
 
     def on_stop(self, env: Envelope, msg: Any, d: Delivery) -> None:
         d.ack()
+        self._discard_held(lambda key: True)  # the run is over: no ``go`` will come for them
         if self.on_stop_mode == "idle" and not self.leaving:
             # a Kubernetes pod must not exit when the run ends (its controller would restart it):
             # it stays up, serving /metrics, doing nothing more — without a broker connection (its
@@ -490,7 +505,9 @@ class Client(ServiceBase):
         up_s = transfer_seconds(size, device.profile.uplink_bps, device.profile.latency_s)
         data = body(up_s)
         if self.ready_protocol:
-            self.held[(env.inc, env.round, dev)] = _Held(data, dense, up_s, device)
+            key = (env.inc, env.round, dev)
+            self._discard_held(lambda k: k == key)  # a redelivered task's earlier answer: replaced
+            self.held[key] = _Held(self._hold(data), dense, up_s, device)
             ready = Ready(device_id=dev, finish_s=down_s + compute_s + up_s, update_bytes=size)
             self._notify(env, msg, ready, Kind.READY)
         else:
@@ -535,11 +552,27 @@ class Client(ServiceBase):
         self._notify(env, msg, body, Kind.EVAL_RESULT)
         d.ack()
 
+    def _hold(self, data: bytes) -> Path:
+        """Write a held update's encoded message to its own file; returns the file.
+
+        Neither atomic nor fsynced: the file is read only by this process, and only after the write
+        returned; after a crash the directory is emptied at start (see ``held_dir``)."""
+        self.held_dir.mkdir(parents=True, exist_ok=True)
+        self._held_seq += 1
+        path = self.held_dir / f"{self._held_seq}.update"
+        path.write_bytes(data)
+        return path
+
+    def _discard_held(self, stale: Callable[[tuple[str, int, int]], bool]) -> None:
+        for key in [k for k in self.held if stale(k)]:
+            self.held.pop(key).path.unlink(missing_ok=True)
+
     def on_go(self, env: Envelope, msg: Go, d: Delivery) -> None:
         held = self.held.pop((env.inc, env.round, msg.device_id), None)
-        if held is not None and msg.upload:
-            self._upload(held.body, held.dense_bytes, held.device, held.upload_s)
+        if held is not None:
+            if msg.upload:
+                self._upload(held.path.read_bytes(), held.dense_bytes, held.device, held.upload_s)
+            held.path.unlink(missing_ok=True)
         d.ack()
         # forget anything older than this round (a round can be abandoned by a server restart)
-        for key in [k for k in self.held if k[1] < env.round]:
-            del self.held[key]
+        self._discard_held(lambda key: key[1] < env.round)
