@@ -14,6 +14,12 @@ Where things live: the open round's bookkeeping, and what happens when an update
 :class:`~services.server.ledger.RunLedger`; the checkpoint format is
 :mod:`services.server.checkpoint`. This class wires messages to them.
 
+No silent success: a round that merged nothing because the broker lost it (the rule is
+:meth:`~services.server.round.RoundState.lost_to_broker`) is recorded as ``lost`` and opened again —
+same number, selection, key and tasks, so the model is the clean run's — after a pause, at most
+``ROUND_REPEATS`` times and within the reconnect budget (:class:`~services.server.round.RepeatPolicy`);
+past that the run stops with ``error`` set (exit code 1), never as a success.
+
 Exactly-once: aggregators hold their acks until the server accepts the partial that contains an
 update. A partial that overlaps devices already covered is refused: a normal partial's updates are
 requeued and come back one by one (``singleton`` partials, built from redelivered messages), and a
@@ -37,11 +43,11 @@ from services.common import MessageHandler, ServiceBase, decode_tensors
 from services.server import checkpoint, fanout
 from services.server.leases import Leases
 from services.server.ledger import RoundOutcome, RunLedger
-from services.server.round import EvaluationState, Phase, RoundState
+from services.server.round import EvaluationState, LostRound, Phase, RepeatPolicy, RoundState
 from shared import metrics
 from shared.algorithms.base import Partial, ServerState, TaskSpec, derive_seed
 from shared.config import ExperimentConfig
-from shared.devices import is_online, over_select
+from shared.devices import dropout_point, is_online, over_select
 from shared.experiment import Experiment
 from shared.provision import BrokerAdmin, ProvisionError, new_host
 from shared.schemas import Decision as DecisionMsg
@@ -100,6 +106,7 @@ class Server(ServiceBase):
         experiment_id: str,
         flush_timeout_s: float = 30.0,
         admin: BrokerAdmin | None = None,
+        repeat: RepeatPolicy | None = None,
     ) -> None:
         cfg = exp.cfg
         super().__init__(transport, experiment_id, cfg.algorithm.name, cfg.processes.max_message_bytes)
@@ -132,6 +139,10 @@ class Server(ServiceBase):
         self._planned: tuple[int, tuple[int, ...], dict[int, TaskSpec]] | None = None
         self.evaluation: EvaluationState | None = None
         self.last_retry = 0.0
+        #: how lost rounds are repeated (default: the broker settings' budget and backoff)
+        self.repeat = repeat if repeat is not None else RepeatPolicy.from_settings()
+        #: the round the broker lost, waiting to be opened again (None: none)
+        self.lost: LostRound | None = None
         self.resumed = self._resume()
         self.error: str | None = None
         self._phases: dict[Phase, Callable[[float], None]] = {
@@ -141,6 +152,7 @@ class Server(ServiceBase):
             Phase.OPEN: self._tick_open,
             Phase.FLUSHING: self._tick_flushing,
             Phase.EVALUATING: self._tick_evaluating,
+            Phase.REPEATING: self._tick_repeating,
         }
 
         #: gives joining hosts broker users of their own (None: hosts come with their users)
@@ -178,7 +190,7 @@ class Server(ServiceBase):
         metrics.DENSITY.labels(*labels).set(self.strategy.density(self.state))
         metrics.ROUND_DURATION.labels(*labels)
         metrics.ROUND_VIRTUAL_DURATION.labels(*labels)
-        for outcome in ("completed", "below-quorum"):
+        for outcome in ("completed", "below-quorum", "lost"):
             metrics.ROUNDS_COMPLETED.labels(*labels, outcome)
 
     @property
@@ -487,6 +499,12 @@ class Server(ServiceBase):
         elif now - rs.last_flush >= FLUSH_RETRY_S:
             self._broadcast_flush(rs, now)
 
+    def _tick_repeating(self, now: float) -> None:
+        """A lost round's pause is over: open it again (once every lease is applied, as any round)."""
+        if self.lost is not None and now >= self.lost.resume_at:
+            self.phase = Phase.BETWEEN
+            self._next()
+
     def _tick_evaluating(self, now: float) -> None:
         ev = self.evaluation
         assert ev is not None
@@ -518,14 +536,19 @@ class Server(ServiceBase):
     def _open_round(self) -> None:
         mark = self.bytes_published + self.bytes_consumed  # the round's broker traffic starts here
         number = self.round + 1
-        selected, offline = self._select(number)
+        lost = self.lost if self.lost is not None and self.lost.number == number else None
         started = time.time()
         deadline = started + self.cfg.round_timeout_s
-        key = secrets.token_hex(16)
+        if lost is not None:
+            # the repeat of a lost round: what it was, to the device (same seeds, tasks and key)
+            selected, offline, key, tasks = lost.selected, lost.offline, lost.key, lost.tasks
+        else:
+            selected, offline = self._select(number)
+            key = secrets.token_hex(16)
+            # planned before the announcement, which lists the layouts of the round's payloads (an
+            # update may then name its layout by digest); a plan is made once per round and selection
+            tasks = self._plan(number, selected)
         holders = [self.leases.table.host_of(dev) or "" for dev in selected]
-        # planned before the announcement, which lists the layouts of the round's payloads (an
-        # update may then name its layout by digest); a plan is made once per round and selection
-        tasks = self._plan(number, selected)
         out = self._fanout(Kind.TASK, tasks, selected, key, number)
         for layout in out.layouts.values():
             self.layouts.learn(layout)  # partials may name them too
@@ -555,7 +578,12 @@ class Server(ServiceBase):
             deadline=deadline,
             announcement=announcement,
             last_announced=time.time(),
+            tasks=tasks,
+            attempt=lost.attempts + 1 if lost is not None else 1,
+            faults_mark=self.transport.faults,
+            first_lost=lost.first_lost if lost is not None else None,
         )
+        self.lost = None
         rs.broker_mark = mark
         rs.fanout = out
         self.rs, self.round, self.phase = rs, number, Phase.OPEN
@@ -567,10 +595,11 @@ class Server(ServiceBase):
         self.ledger.selected(rs)
         self._send_tasks(rs)
         self.log.info(
-            "round %d opened with %d devices",
+            "round %d opened with %d devices%s",
             number,
             len(selected),
-            extra={"event": "round_open", "round": number},
+            f" (attempt {rs.attempt})" if rs.attempt > 1 else "",
+            extra={"event": "round_open", "round": number, "f_attempt": rs.attempt},
         )
 
     def _plan(self, number: int, selected: list[int]) -> dict[int, TaskSpec]:
@@ -684,6 +713,11 @@ class Server(ServiceBase):
     def _finalize(self, outcome: str) -> None:
         rs = self.rs
         assert rs is not None
+        if outcome != "completed":
+            why = rs.lost_to_broker(self._emulated_silent(rs), self.transport.faults > rs.faults_mark)
+            if why is not None:
+                self._lose(rs, why)
+                return
         merged = rs.merged if outcome == "completed" else None
         self.state = self.strategy.finalize(self.state, merged, rs.number)
         for what, n in getattr(self.strategy, "robust_counts", {}).items():  # robust aggregation only
@@ -721,6 +755,80 @@ class Server(ServiceBase):
         self._save_checkpoint()
         self.rs, self.phase = None, Phase.BETWEEN
         self._next()
+
+    def _emulated_silent(self, rs: RoundState) -> set[int]:
+        """Selected devices the emulation drops this round: in ``real`` time they send no notice."""
+        fleet, seed = self.exp.fleet, self.cfg.seed
+        return {d for d in rs.selected if dropout_point(fleet[d], rs.number, seed) is not None}
+
+    def _lose(self, rs: RoundState, why: str) -> None:
+        """Record the attempt as ``lost`` and open the round again after a pause — or, past the
+        repeats or the reconnect budget, stop the run with one line saying why (exit code 1).
+
+        Nothing of the attempt reaches the model: the strategy's ``finalize`` is not called, no
+        evaluation runs, and the checkpoint stays at the round before (with the lost attempt's row
+        and device counts, so a resumed run reports it too). The attempt's row in ``rounds.csv`` keeps
+        the bytes it cost; the next attempt has a row of its own.
+        """
+        now = time.time()
+        result = RoundOutcome(
+            outcome="lost",
+            participants=[],
+            evaluation={},
+            reported={},
+            density=self.strategy.density(self.state),
+            virtual_seconds=0.0,
+            broker_bytes=self._broker_bytes(rs),
+        )
+        self.ledger.record_round(rs, result)
+        silent = sorted(rs.missing(self._emulated_silent(rs)))
+        self.log.error(
+            "round %d (attempt %d) lost to the broker: %s; silent devices %s",
+            rs.number,
+            rs.attempt,
+            why,
+            silent[:10],
+            extra={"event": "round_lost", "round": rs.number, "f_attempt": rs.attempt, "f_outcome": "lost"},
+        )
+        summary = RoundSummary(outcome="lost", accuracy=None, loss=None, participants=0)
+        self._send_quietly(KEY_AGGREGATORS, Kind.ROUND_SUMMARY, summary)
+        first_lost = rs.first_lost if rs.first_lost is not None else now
+        self.rs, self.round = None, rs.number - 1  # the round is not done: the next opening is it again
+        self.ledger.write_rows(self.run_dir)
+        self._save_checkpoint()
+        elapsed = now - first_lost
+        pause = self.repeat.pause(rs.attempt)
+        if rs.attempt > self.repeat.repeats or elapsed + pause > self.repeat.budget_s:
+            self._give_up(rs, why, elapsed)
+            return
+        self.lost = LostRound(
+            number=rs.number,
+            selected=rs.selected,
+            offline=rs.offline,
+            key=rs.key,
+            tasks=rs.tasks,
+            attempts=rs.attempt,
+            first_lost=first_lost,
+            resume_at=now + pause,
+            why=why,
+        )
+        self.phase = Phase.REPEATING
+
+    def _give_up(self, rs: RoundState, why: str, elapsed: float) -> None:
+        """No repeat left: results so far are written, the others told to stop, and the run fails."""
+        self.error = (
+            f"round {rs.number} was lost to the broker {rs.attempt} times in {elapsed:.0f}s ({why}); "
+            f"gave up after {rs.attempt - 1} repeats (at most {self.repeat.repeats}, within "
+            f"FEDFLEET_RECONNECT_BUDGET_S={self.repeat.budget_s:g}): check the broker and the services' "
+            f"amqp_* log events, or raise round_timeout_s ({self.cfg.round_timeout_s:g}s) if one local "
+            "training takes longer"
+        )
+        self.log.error(self.error, extra={"event": "run_failed", "round": rs.number})
+        self.phase = Phase.DONE
+        self.write_results()
+        for key in (KEY_CLIENTS, KEY_AGGREGATORS):
+            self._send_quietly(key, Kind.STOP, Stop())
+        self.stopped = True
 
     def _broker_bytes(self, rs: RoundState) -> int:
         """What the round put through the broker: everything the server sent and took, and every
