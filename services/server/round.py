@@ -14,8 +14,8 @@ the next one, and "what happens when an update arrives" is answered here, in one
 
 A round that ends with nothing merged is either ``below-quorum`` (the fleet, as emulated, could not
 deliver: refusals, dropouts, the emulated deadline) or ``lost`` (the broker lost it:
-:meth:`RoundState.lost_to_broker` says which); a lost round is opened again (:class:`LostRound`,
-:class:`RepeatPolicy`), not counted as a result.
+:meth:`RoundState.lost_to_broker` says which); a lost round is opened again as a new attempt of
+the same round (``attempt``, :class:`RepeatPolicy`), not counted as a result.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class Phase(StrEnum):
     FLUSHING = "flushing"
     #: between a finalized round and the next one (only inside ``_finalize``)
     BETWEEN = "between"
-    #: a round the broker lost waits for its pause to end, then opens again (``LostRound``)
+    #: a round the broker lost waits for its pause to end, then opens again (its next attempt)
     REPEATING = "repeating"
     #: after the last round of a personalised algorithm: every device evaluates its own model
     EVALUATING = "evaluating"
@@ -98,6 +98,8 @@ class RoundState:
     faults_mark: int = 0
     #: when an earlier attempt of this round was first lost (None: the first attempt)
     first_lost: float | None = None
+    #: a repeat waiting in ``Phase.REPEATING``: when its pause ends
+    resume_at: float = 0.0
 
     def __post_init__(self) -> None:
         self._selected_set = frozenset(self.selected)
@@ -177,7 +179,9 @@ class RoundState:
         neither is something the emulation decided."""
         return set(self._selected_set - self.answered() - emulated_silent)
 
-    def lost_to_broker(self, emulated_silent: set[int], broker_fault: bool) -> str | None:
+    def lost_to_broker(
+        self, emulated_silent: set[int], broker_fault: bool, *, real_time: bool = False
+    ) -> str | None:
         """Why this round, which merged nothing, was lost to the broker — or None when it simply fell
         below the quorum.
 
@@ -194,8 +198,11 @@ class RoundState:
           (``broker_fault``), so that whatever the missing devices sent may have gone with it.
 
         The first clause also covers a round nobody could answer within ``round_timeout_s`` (a
-        deadline far shorter than one local training): repeating it shows that, and the run then
-        fails naming both causes instead of going on with empty rounds.
+        deadline shorter than one local training, or a first round slowed by a busy machine): the
+        repeat takes the late answers that arrived meanwhile, and a round that stays silent fails
+        the run naming both causes instead of going on with empty rounds. In ``real`` time mode
+        (``real_time``) devices throttle in wall time, so a round whose every device is a straggler
+        at ``round_timeout_s`` is the emulation's: there only the second clause applies.
         """
         if self.covered:
             return None
@@ -203,7 +210,7 @@ class RoundState:
         if not missing:
             return None
         expected = self._selected_set - emulated_silent
-        if not self.answered() & expected:
+        if not real_time and not self.answered() & expected:
             return f"none of the {len(expected)} devices expected to answer did (no update, refusal, notice)"
         if broker_fault:
             return f"the broker connection failed during the round and {len(missing)} devices stayed silent"
@@ -244,24 +251,6 @@ class RepeatPolicy:
     def pause(self, attempt: int) -> float:
         """The pause before opening attempt ``attempt + 1`` of a round."""
         return float(min(self.backoff_s * 2 ** (attempt - 1), self.backoff_max_s))
-
-
-@dataclass
-class LostRound:
-    """A round the broker lost, waiting to be opened again: the same number (so the same seeds),
-    the same selection, key and tasks — so its devices train exactly what they would have, and the
-    aggregators, which know the round by its number and key, take the repeat as the same round."""
-
-    number: int
-    selected: list[int]
-    offline: int
-    key: str
-    tasks: dict[int, TaskSpec]
-    #: the attempts made so far (the next one is ``attempts + 1``)
-    attempts: int
-    first_lost: float
-    resume_at: float
-    why: str
 
 
 @dataclass

@@ -30,6 +30,7 @@ nothing in the result.
 from __future__ import annotations
 
 import contextlib
+import math
 import secrets
 import time
 import uuid
@@ -43,7 +44,7 @@ from services.common import MessageHandler, ServiceBase, decode_tensors
 from services.server import checkpoint, fanout
 from services.server.leases import Leases
 from services.server.ledger import RoundOutcome, RunLedger
-from services.server.round import EvaluationState, LostRound, Phase, RepeatPolicy, RoundState
+from services.server.round import EvaluationState, Phase, RepeatPolicy, RoundState
 from shared import metrics
 from shared.algorithms.base import Partial, ServerState, TaskSpec, derive_seed
 from shared.config import ExperimentConfig
@@ -141,8 +142,6 @@ class Server(ServiceBase):
         self.last_retry = 0.0
         #: how lost rounds are repeated (default: the broker settings' budget and backoff)
         self.repeat = repeat if repeat is not None else RepeatPolicy.from_settings()
-        #: the round the broker lost, waiting to be opened again (None: none)
-        self.lost: LostRound | None = None
         self.resumed = self._resume()
         self.error: str | None = None
         self._phases: dict[Phase, Callable[[float], None]] = {
@@ -298,7 +297,8 @@ class Server(ServiceBase):
         """The open round if ``env`` belongs to it (this incarnation, this round, open or flushing)."""
         rs = self.rs
         current = rs is not None and env.inc == self.incarnation and env.round == rs.number
-        return rs if current and self.phase in (Phase.OPEN, Phase.FLUSHING) else None
+        # a lost round waiting to be repeated takes its late answers: they count for the repeat
+        return rs if current and self.phase in (Phase.OPEN, Phase.FLUSHING, Phase.REPEATING) else None
 
     def on_receipt(self, env: Envelope, msg: Receipt, d: Delivery) -> None:
         if (rs := self._open(env)) is not None:
@@ -419,7 +419,7 @@ class Server(ServiceBase):
             self._forget_host(host.host_id)
         for host in gone:
             rs = self.rs
-            if rs is None or self.phase not in (Phase.OPEN, Phase.FLUSHING):
+            if rs is None or self.phase not in (Phase.OPEN, Phase.FLUSHING, Phase.REPEATING):
                 continue
             for dev in sorted(host.devices):
                 if rs.is_selected(dev) and dev not in rs.receipts:
@@ -500,10 +500,11 @@ class Server(ServiceBase):
             self._broadcast_flush(rs, now)
 
     def _tick_repeating(self, now: float) -> None:
-        """A lost round's pause is over: open it again (once every lease is applied, as any round)."""
-        if self.lost is not None and now >= self.lost.resume_at:
-            self.phase = Phase.BETWEEN
-            self._next()
+        """A lost round's pause is over: open it again, once every lease is applied (as any round)."""
+        rs = self.rs
+        assert rs is not None
+        if now >= rs.resume_at and self.leases.settle():
+            self._reopen(rs)
 
     def _tick_evaluating(self, now: float) -> None:
         ev = self.evaluation
@@ -536,19 +537,14 @@ class Server(ServiceBase):
     def _open_round(self) -> None:
         mark = self.bytes_published + self.bytes_consumed  # the round's broker traffic starts here
         number = self.round + 1
-        lost = self.lost if self.lost is not None and self.lost.number == number else None
+        selected, offline = self._select(number)
         started = time.time()
         deadline = started + self.cfg.round_timeout_s
-        if lost is not None:
-            # the repeat of a lost round: what it was, to the device (same seeds, tasks and key)
-            selected, offline, key, tasks = lost.selected, lost.offline, lost.key, lost.tasks
-        else:
-            selected, offline = self._select(number)
-            key = secrets.token_hex(16)
-            # planned before the announcement, which lists the layouts of the round's payloads (an
-            # update may then name its layout by digest); a plan is made once per round and selection
-            tasks = self._plan(number, selected)
+        key = secrets.token_hex(16)
         holders = [self.leases.table.host_of(dev) or "" for dev in selected]
+        # planned before the announcement, which lists the layouts of the round's payloads (an
+        # update may then name its layout by digest); a plan is made once per round and selection
+        tasks = self._plan(number, selected)
         out = self._fanout(Kind.TASK, tasks, selected, key, number)
         for layout in out.layouts.values():
             self.layouts.learn(layout)  # partials may name them too
@@ -579,11 +575,8 @@ class Server(ServiceBase):
             announcement=announcement,
             last_announced=time.time(),
             tasks=tasks,
-            attempt=lost.attempts + 1 if lost is not None else 1,
             faults_mark=self.transport.faults,
-            first_lost=lost.first_lost if lost is not None else None,
         )
-        self.lost = None
         rs.broker_mark = mark
         rs.fanout = out
         self.rs, self.round, self.phase = rs, number, Phase.OPEN
@@ -595,11 +588,51 @@ class Server(ServiceBase):
         self.ledger.selected(rs)
         self._send_tasks(rs)
         self.log.info(
-            "round %d opened with %d devices%s",
+            "round %d opened with %d devices",
             number,
             len(selected),
-            f" (attempt {rs.attempt})" if rs.attempt > 1 else "",
-            extra={"event": "round_open", "round": number, "f_attempt": rs.attempt},
+            extra={"event": "round_open", "round": number},
+        )
+
+    def _reopen(self, rs: RoundState) -> None:
+        """Open the next attempt of a round the broker lost: the same number, selection, key and
+        tasks (so the devices train what they would have), routed to the devices' hosts as of now,
+        announced again (an aggregator that knows the round takes it as the same one) and sent to
+        the devices that have not answered yet — an answer that came late, during the pause, counts."""
+        mark = self.bytes_published + self.bytes_consumed
+        now = time.time()
+        out = self._fanout(Kind.TASK, rs.tasks, rs.selected, rs.key, rs.number)
+        rs.announcement = RoundOpen(
+            selected=rs.selected,
+            deadline_unix=now + self.cfg.round_timeout_s,
+            round_key=rs.key,
+            holders=[self.leases.table.host_of(dev) or "" for dev in rs.selected],
+            layouts=list(out.layouts.values()),
+        )
+        try:
+            self.send(
+                KEY_AGGREGATORS, Kind.ROUND_OPEN, rs.announcement, round=rs.number, inc=self.incarnation
+            )
+        except Unroutable:  # no aggregator listening: try again in a moment, as a first opening does
+            rs.resume_at = now + FLUSH_RETRY_S
+            return
+        rs.started, rs.deadline, rs.last_announced = now, now + self.cfg.round_timeout_s, now
+        rs.broker_mark, rs.fanout = mark, out
+        self.phase = Phase.OPEN
+        labels = (self.experiment, self.algorithm)
+        metrics.ROUND_OPEN.labels(*labels).set(1)
+        metrics.ROUND_STARTED.labels(*labels).set(now)
+        metrics.ROUND_DEADLINE.labels(*labels).set(rs.deadline)
+        self.ledger.selected(rs)
+        silent = set(rs.selected) - rs.answered()
+        self._send_tasks(rs, only=silent)
+        self.log.info(
+            "round %d opened again (attempt %d): tasks to the %d of %d devices that have not answered",
+            rs.number,
+            rs.attempt,
+            len(silent),
+            len(rs.selected),
+            extra={"event": "round_open", "round": rs.number, "f_attempt": rs.attempt},
         )
 
     def _plan(self, number: int, selected: list[int]) -> dict[int, TaskSpec]:
@@ -611,13 +644,14 @@ class Server(ServiceBase):
         self._planned = (number, tuple(selected), tasks)
         return tasks
 
-    def _send_tasks(self, rs: RoundState) -> None:
-        """Publish every selected device's task (shared parts once per host: see ``fanout``); a task
-        nobody can receive makes its device unreachable for the round."""
+    def _send_tasks(self, rs: RoundState, only: set[int] | None = None) -> None:
+        """Publish every selected device's task, or those of ``only`` (shared parts once per host:
+        see ``fanout``); a task nobody can receive makes its device unreachable for the round."""
         assert rs.fanout is not None
+        sending = rs.fanout if only is None else _only(rs.fanout, only)
         # one broker round trip for the whole fan-out, not one confirm per device
-        unroutable = fanout.publish(rs.fanout, self.publish_batch, Kind.TASK)
-        for out in rs.fanout.tasks:
+        unroutable = fanout.publish(sending, self.publish_batch, Kind.TASK)
+        for out in sending.tasks:
             if out.routing_key in unroutable:
                 rs.unreachable.add(out.device)
                 self.log.warning(
@@ -714,7 +748,11 @@ class Server(ServiceBase):
         rs = self.rs
         assert rs is not None
         if outcome != "completed":
-            why = rs.lost_to_broker(self._emulated_silent(rs), self.transport.faults > rs.faults_mark)
+            why = rs.lost_to_broker(
+                self._emulated_silent(rs),
+                self.transport.faults > rs.faults_mark,
+                real_time=self.cfg.emulation.time_mode == "real",
+            )
             if why is not None:
                 self._lose(rs, why)
                 return
@@ -766,9 +804,10 @@ class Server(ServiceBase):
         repeats or the reconnect budget, stop the run with one line saying why (exit code 1).
 
         Nothing of the attempt reaches the model: the strategy's ``finalize`` is not called, no
-        evaluation runs, and the checkpoint stays at the round before (with the lost attempt's row
-        and device counts, so a resumed run reports it too). The attempt's row in ``rounds.csv`` keeps
-        the bytes it cost; the next attempt has a row of its own.
+        evaluation runs, and the round is not checkpointed (a resumed run runs it again). The
+        attempt's row in ``rounds.csv`` keeps the bytes it cost; the next attempt is a new
+        ``RoundState`` of the same round, which takes the lost attempt's late answers (a slow device's
+        receipt) while it waits, so what did arrive is not trained again.
         """
         now = time.time()
         result = RoundOutcome(
@@ -792,25 +831,27 @@ class Server(ServiceBase):
         )
         summary = RoundSummary(outcome="lost", accuracy=None, loss=None, participants=0)
         self._send_quietly(KEY_AGGREGATORS, Kind.ROUND_SUMMARY, summary)
-        first_lost = rs.first_lost if rs.first_lost is not None else now
-        self.rs, self.round = None, rs.number - 1  # the round is not done: the next opening is it again
         self.ledger.write_rows(self.run_dir)
-        self._save_checkpoint()
+        first_lost = rs.first_lost if rs.first_lost is not None else now
         elapsed = now - first_lost
         pause = self.repeat.pause(rs.attempt)
         if rs.attempt > self.repeat.repeats or elapsed + pause > self.repeat.budget_s:
             self._give_up(rs, why, elapsed)
             return
-        self.lost = LostRound(
+        self.rs = RoundState(
             number=rs.number,
             selected=rs.selected,
             offline=rs.offline,
             key=rs.key,
+            started=now,
+            deadline=math.inf,
+            announcement=rs.announcement,
+            last_announced=now,
             tasks=rs.tasks,
-            attempts=rs.attempt,
+            attempt=rs.attempt + 1,
+            faults_mark=self.transport.faults,
             first_lost=first_lost,
             resume_at=now + pause,
-            why=why,
         )
         self.phase = Phase.REPEATING
 
@@ -991,3 +1032,11 @@ class Server(ServiceBase):
             self.write_results()
             return
         super().run(poll_s)
+
+
+def _only(out: fanout.Fanout, devices: set[int]) -> fanout.Fanout:
+    """The part of a fan-out that goes to ``devices``: their tasks, and the payloads of their hosts."""
+    tasks = [t for t in out.tasks if t.device in devices]
+    hosts = {t.host for t in tasks}
+    payloads = [p for p in out.payloads if p[0] in hosts]
+    return fanout.Fanout(payloads=payloads, tasks=tasks, by_digest=out.by_digest, layouts=out.layouts)
