@@ -613,7 +613,11 @@ class Server(ServiceBase):
             self.send(
                 KEY_AGGREGATORS, Kind.ROUND_OPEN, rs.announcement, round=rs.number, inc=self.incarnation
             )
-        except Unroutable:  # no aggregator listening: try again in a moment, as a first opening does
+        except Unroutable:  # no aggregator listening: try again in a moment, within the budget
+            elapsed = now - (rs.first_lost or now)
+            if elapsed > self.repeat.budget_s:
+                self._give_up(rs, "no aggregator is listening to repeat it", elapsed)
+                return
             rs.resume_at = now + FLUSH_RETRY_S
             return
         rs.started, rs.deadline, rs.last_announced = now, now + self.cfg.round_timeout_s, now
@@ -857,9 +861,10 @@ class Server(ServiceBase):
 
     def _give_up(self, rs: RoundState, why: str, elapsed: float) -> None:
         """No repeat left: results so far are written, the others told to stop, and the run fails."""
+        lost = sum(r["round"] == rs.number and r["outcome"] == "lost" for r in self.rows)
         self.error = (
-            f"round {rs.number} was lost to the broker {rs.attempt} times in {elapsed:.0f}s ({why}); "
-            f"gave up after {rs.attempt - 1} repeats (at most {self.repeat.repeats}, within "
+            f"round {rs.number} was lost to the broker {lost} times in {elapsed:.0f}s ({why}); "
+            f"gave up after {lost - 1} repeats (at most {self.repeat.repeats}, within "
             f"FEDFLEET_RECONNECT_BUDGET_S={self.repeat.budget_s:g}): check the broker and the services' "
             f"amqp_* log events, or raise round_timeout_s ({self.cfg.round_timeout_s:g}s) if one local "
             "training takes longer"
