@@ -629,6 +629,10 @@ class Server(ServiceBase):
         metrics.ROUND_DEADLINE.labels(*labels).set(rs.deadline)
         self.ledger.selected(rs)
         silent = set(rs.selected) - rs.answered()
+        for dev in silent:  # sent again, maybe to another host: not written off before it can answer
+            rs.unreachable.discard(dev)
+            if rs.discarded.get(dev) == "host-lost":
+                del rs.discarded[dev]
         self._send_tasks(rs, only=silent)
         self.log.info(
             "round %d opened again (attempt %d): tasks to the %d of %d devices that have not answered",
