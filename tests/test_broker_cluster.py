@@ -159,8 +159,12 @@ def _run_with_kill(
     kill_at = random.Random(time.time_ns()).randint(1, ROUNDS - 4)
     pc = _services(cluster.url, config, workdir, exp)
     try:
-        wait_for(lambda: _rounds_done(pc.run_dir) >= kill_at, 180, f"round {kill_at}", interval=0.05)
+        # who leads what (for the report) is asked before the kill's round, not between it and the
+        # kill: under load the answer can take longer than the rounds left (a run that ended before
+        # the kill tests nothing); the queues exist from round 1 on and keep their leaders until then
+        wait_for(lambda: _rounds_done(pc.run_dir) >= 1, 180, "round 1", interval=0.05)
         leaders = {q: node for q, node in cluster.leaders().items() if q.startswith(f"ff.{exp}.")}
+        wait_for(lambda: _rounds_done(pc.run_dir) >= kill_at, 180, f"round {kill_at}", interval=0.05)
         killed_at = time.time()
         cluster.kill(cluster.node(victim))
         done_at_kill = _rounds_done(pc.run_dir)
