@@ -28,9 +28,11 @@ run; (d) starts n1 again and kills n3; (u) kills n2.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -102,6 +104,22 @@ def _services(url: str, config: Path, workdir: Path, exp: str) -> ProcessCluster
     return pc
 
 
+@contextlib.contextmanager
+def _round_held(pc: ProcessCluster) -> Iterator[None]:
+    """Hold the run in its current round while a node is killed: the aggregators are stopped
+    (SIGSTOP), so no round after the one in flight can close. Without it, a run of rounds of a tenth
+    of a second on a loaded machine could end between the test seeing round k and the kill, and test
+    nothing (or, in (d), end 0 before the fault)."""
+    aggregators = [p for p in pc.procs if p.name.startswith("aggregator")]
+    for p in aggregators:
+        p.p.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for p in aggregators:
+            p.p.send_signal(signal.SIGCONT)
+
+
 def _dead_letters_logged(workdir: Path) -> int:
     count = 0
     for log in workdir.glob("*.log"):
@@ -165,9 +183,10 @@ def _run_with_kill(
         wait_for(lambda: _rounds_done(pc.run_dir) >= 1, 180, "round 1", interval=0.05)
         leaders = {q: node for q, node in cluster.leaders().items() if q.startswith(f"ff.{exp}.")}
         wait_for(lambda: _rounds_done(pc.run_dir) >= kill_at, 180, f"round {kill_at}", interval=0.05)
-        killed_at = time.time()
-        cluster.kill(cluster.node(victim))
-        done_at_kill = _rounds_done(pc.run_dir)
+        with _round_held(pc):
+            killed_at = time.time()
+            cluster.kill(cluster.node(victim))
+            done_at_kill = _rounds_done(pc.run_dir)
         assert done_at_kill < ROUNDS, "the run ended before the kill: nothing was tested"
         rc = pc.get("server").wait(timeout=240)
         pc.shutdown(rc)
@@ -244,7 +263,10 @@ def test_a_round_the_broker_lost_is_repeated_then_the_run_fails(
         pc.client(f"client-{i}")
     try:
         wait_for(lambda: _rounds_done(pc.run_dir) >= 1, 180, "round 1", interval=0.05)
-        cluster.kill(n3)
+        with _round_held(pc):
+            cluster.kill(n3)
+            done_at_kill = _rounds_done(pc.run_dir)
+        assert done_at_kill < ROUNDS, "the run ended before the kill: nothing was tested"
         rc = pc.get("server").wait(timeout=BUDGET_S + 180)
     finally:
         pc.stop_all()
