@@ -215,3 +215,31 @@ def test_a_round_lost_past_its_repeats_fails_the_run_with_one_line(tmp_path: Pat
     assert summary["rounds_lost"] == sum(r["outcome"] == "lost" for r in rows) >= 3
     # the other services were told to stop: none is left waiting for a round that never comes
     assert all(svc.stopped for svc in cluster.services)
+
+
+def test_updates_receipted_but_never_merged_make_a_lost_round() -> None:
+    """The flush timed out with receipts no partial covered: the aggregators (or their partials) were
+    lost after taking the updates — nothing the emulation does."""
+    rs = _round([1, 2])
+    rs.receipt(_receipt(1))
+    rs.rejects[2] = Reject(device_id=2, reason="memory")
+    assert rs.lost_to_broker(set(), broker_fault=False) is None  # a plain below-quorum close
+    rs.flush_timed_out = True
+    why = rs.lost_to_broker(set(), broker_fault=False)
+    assert why is not None and "1 updates reached an aggregator" in why
+
+
+def test_a_fleet_without_hosts_waits_then_fails(tmp_path: Path) -> None:
+    """No client host serves any device (all lost the broker, say): the next round does not open
+    with 0 devices; the server waits within the budget, then fails the run with one line."""
+    cluster = _cluster(tmp_path, "hostless")
+    server = cluster.server
+    assert cluster.run(until=lambda: len(server.rows) >= 1, max_steps=2_000_000) == 0
+    for host in list(server.leases.table.hosts):
+        server.leases.table.remove(host)
+    server.repeat = RepeatPolicy(repeats=2, budget_s=-1.0)  # any wait is past it
+    assert not server._hosts_serve(2)
+    assert server.phase == "waiting" and server.error is None
+    assert not server._hosts_serve(2)  # past the budget
+    assert server.error is not None and server.error.startswith("round 2: no client host served any device")
+    assert server.stopped

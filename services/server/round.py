@@ -100,6 +100,8 @@ class RoundState:
     first_lost: float | None = None
     #: a repeat waiting in ``Phase.REPEATING``: when its pause ends
     resume_at: float = 0.0
+    #: the flush deadline passed with receipted updates no partial brought
+    flush_timed_out: bool = False
 
     def __post_init__(self) -> None:
         self._selected_set = frozenset(self.selected)
@@ -191,7 +193,9 @@ class RoundState:
         * some selected device is *missing* (:meth:`missing`): silent for no emulated reason. A
           round whose every device refused, dropped out or finished after the emulated deadline is
           the emulation's verdict and stays ``below-quorum`` (repeating it would repeat it), and
-        * either **no** device expected to answer answered at all — no receipt, refusal, dropout
+        * either an update an aggregator had receipted never reached the server in a partial (the
+          flush timed out: the aggregators or their partials were lost; checked first), or
+        * **no** device expected to answer answered at all — no receipt, refusal, dropout
           notice or ``ready`` arrived from any selected device's host, which no emulated behaviour
           produces: a reachable device always answers its task — or the server's own transport
           lost its connection or had a consumer cancelled while the round was open
@@ -206,6 +210,12 @@ class RoundState:
         """
         if self.covered:
             return None
+        stranded = set(self.receipts) if self.flush_timed_out else set()
+        if stranded:
+            # a receipt says an aggregator holds the update; no emulated behaviour loses it after that
+            return (
+                f"{len(stranded)} updates reached an aggregator but no partial brought them (flush timed out)"
+            )
         missing = self.missing(emulated_silent)
         if not missing:
             return None

@@ -142,6 +142,8 @@ class Server(ServiceBase):
         self.last_retry = 0.0
         #: how lost rounds are repeated (default: the broker settings' budget and backoff)
         self.repeat = repeat if repeat is not None else RepeatPolicy.from_settings()
+        #: since when no client host has served any device (None: some host does)
+        self._no_hosts_since: float | None = None
         self.resumed = self._resume()
         self.error: str | None = None
         self._phases: dict[Phase, Callable[[float], None]] = {
@@ -489,6 +491,7 @@ class Server(ServiceBase):
             self._finalize("completed" if rs.covered else "below-quorum")
         elif now >= rs.flush_deadline:
             lost = sorted(set(rs.receipts) - rs.covered)
+            rs.flush_timed_out = True
             self.log.error(
                 "flush timed out; %d receipted updates never arrived in a partial: %s",
                 len(lost),
@@ -537,6 +540,8 @@ class Server(ServiceBase):
     def _open_round(self) -> None:
         mark = self.bytes_published + self.bytes_consumed  # the round's broker traffic starts here
         number = self.round + 1
+        if not self._hosts_serve(number):
+            return
         selected, offline = self._select(number)
         started = time.time()
         deadline = started + self.cfg.round_timeout_s
@@ -642,6 +647,33 @@ class Server(ServiceBase):
             len(rs.selected),
             extra={"event": "round_open", "round": rs.number, "f_attempt": rs.attempt},
         )
+
+    def _hosts_serve(self, number: int) -> bool:
+        """Does any client host serve a device? A round with nobody to select is no round: the server
+        waits for hosts (``Phase.WAITING``) within the reconnect budget, then fails the run. Before,
+        a fleet whose hosts had all lost the broker ran its remaining rounds with 0 devices each and
+        ended 0. (Devices offline by the emulation's availability model are another matter: they are
+        served, just not online, and such a round opens as usual.)"""
+        self.leases.settle()  # hosts that came back get their leases
+        if self.leases.table.available():
+            self._no_hosts_since = None
+            return True
+        now = time.time()
+        if self._no_hosts_since is None:
+            self._no_hosts_since = now
+            self.log.warning(
+                "no client host serves any device; round %d waits", number, extra={"event": "no_hosts"}
+            )
+        elif now - self._no_hosts_since > self.repeat.budget_s:
+            self._fail(
+                f"round {number}: no client host served any device for {now - self._no_hosts_since:.0f}s "
+                f"(FEDFLEET_RECONNECT_BUDGET_S={self.repeat.budget_s:g}): are the client processes running "
+                "and connected to the broker?",
+                number,
+            )
+            return False
+        self.phase = Phase.WAITING
+        return False
 
     def _plan(self, number: int, selected: list[int]) -> dict[int, TaskSpec]:
         """The strategy's tasks for round ``number``: planned once, kept while the round waits for an
@@ -866,14 +898,19 @@ class Server(ServiceBase):
     def _give_up(self, rs: RoundState, why: str, elapsed: float) -> None:
         """No repeat left: results so far are written, the others told to stop, and the run fails."""
         lost = sum(r["round"] == rs.number and r["outcome"] == "lost" for r in self.rows)
-        self.error = (
+        self._fail(
             f"round {rs.number} was lost to the broker {lost} times in {elapsed:.0f}s ({why}); "
             f"gave up after {lost - 1} repeats (at most {self.repeat.repeats}, within "
             f"FEDFLEET_RECONNECT_BUDGET_S={self.repeat.budget_s:g}): check the broker and the services' "
             f"amqp_* log events, or raise round_timeout_s ({self.cfg.round_timeout_s:g}s) if one local "
-            "training takes longer"
+            "training takes longer",
+            rs.number,
         )
-        self.log.error(self.error, extra={"event": "run_failed", "round": rs.number})
+
+    def _fail(self, error: str, number: int) -> None:
+        """Stop the run as failed: ``error`` is its one line (``fedfleet server`` prints it and exits 1)."""
+        self.error = error
+        self.log.error(self.error, extra={"event": "run_failed", "round": number})
         self.phase = Phase.DONE
         self.write_results()
         for key in (KEY_CLIENTS, KEY_AGGREGATORS):
