@@ -13,18 +13,27 @@ FedAvg experiment, each with its own experiment id, every node in ``RABBITMQ_URL
 
 and each run must end as the in-process reference does: the same global model (max |Δw| ≤ 1e-6),
 the same participants per round, and every dead letter a service logged in the dead-letter queue.
+Then (d), no silent success: the server on every address, the aggregators and client hosts on n3
+only, n3 killed for good. Every queue survives (quorum), but nothing consumes the hosts' queues any
+more: the rounds after the kill are lost to the broker. The server names them ``lost``, repeats the
+round within the reconnect budget, and then fails with one line — or, if the hosts were written off
+before the next round opened, refuses to open rounds without hosts and fails after the budget (before
+#19 item 6 such a run went on with empty ``below-quorum`` rounds and ended 0).
+
 Then (u): one address only, that node killed and never restarted — every service gives up within
 its reconnect budget with one line naming the address, and the run fails.
 
-The order (c, b, a, u) needs only two restarts: after (a) two nodes remain, a majority for (a)'s
-run; (u) kills one of them.
+The order (c, b, a, d, u) needs three restarts: after (a) two nodes remain, a majority for (a)'s
+run; (d) starts n1 again and kills n3; (u) kills n2.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -78,7 +87,8 @@ def _model(run_dir: Path) -> dict[str, np.ndarray]:
 
 
 def _participants(run_dir: Path) -> list[str]:
-    return [row["participants"] for row in read_rounds(run_dir)]
+    """Participants per round, of the attempt that finished it (a lost attempt, repeated, is not)."""
+    return [row["participants"] for row in read_rounds(run_dir) if row["outcome"] != "lost"]
 
 
 def _rounds_done(run_dir: Path) -> int:
@@ -93,6 +103,22 @@ def _services(url: str, config: Path, workdir: Path, exp: str) -> ProcessCluster
     pc = ProcessCluster(url, exp, config, workdir / "run", logs=workdir, state_dir=workdir / "state", env=env)
     pc.standard(load_config(config), aggregators=2, clients=2)
     return pc
+
+
+@contextlib.contextmanager
+def _round_held(pc: ProcessCluster) -> Iterator[None]:
+    """Hold the run in its current round while a node is killed: the aggregators are stopped
+    (SIGSTOP), so no round after the one in flight can close. Without it, a run of rounds of a tenth
+    of a second on a loaded machine could end between the test seeing round k and the kill, and test
+    nothing (or, in (d), end 0 before the fault)."""
+    aggregators = [p for p in pc.procs if p.name.startswith("aggregator")]
+    for p in aggregators:
+        p.p.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for p in aggregators:
+            p.p.send_signal(signal.SIGCONT)
 
 
 def _dead_letters_logged(workdir: Path) -> int:
@@ -129,11 +155,12 @@ def _report(
     for _dt, event in events:
         counts[event] = counts.get(event, 0) + 1
     led = sorted(q.rsplit(".", 1)[-1] for q, node in leaders.items() if node == victim)
+    lost = sum(r["outcome"] == "lost" for r in rows)
     print(f"\n[fault] {victim} led {led or 'no queue'} of the experiment when it was killed")
     print(
         f"\n[fault] killed {victim} after round {kill_at}: transport events {counts}; last recovery "
         f"{max(recovered) if recovered else 0:.2f} s after the kill; that round {hit:.2f} s, "
-        f"the other rounds (without the first) {others[0]:.2f}-{others[-1]:.2f} s"
+        f"the other rounds (without the first) {others[0]:.2f}-{others[-1]:.2f} s; {lost} attempts lost"
         if others
         else f"\n[fault] killed {victim} after round {kill_at}: transport events {counts}"
     )
@@ -151,11 +178,16 @@ def _run_with_kill(
     kill_at = random.Random(time.time_ns()).randint(1, ROUNDS - 4)
     pc = _services(cluster.url, config, workdir, exp)
     try:
-        wait_for(lambda: _rounds_done(pc.run_dir) >= kill_at, 180, f"round {kill_at}", interval=0.05)
+        # who leads what (for the report) is asked before the kill's round, not between it and the
+        # kill: under load the answer can take longer than the rounds left (a run that ended before
+        # the kill tests nothing); the queues exist from round 1 on and keep their leaders until then
+        wait_for(lambda: _rounds_done(pc.run_dir) >= 1, 180, "round 1", interval=0.05)
         leaders = {q: node for q, node in cluster.leaders().items() if q.startswith(f"ff.{exp}.")}
-        killed_at = time.time()
-        cluster.kill(cluster.node(victim))
-        done_at_kill = _rounds_done(pc.run_dir)
+        wait_for(lambda: _rounds_done(pc.run_dir) >= kill_at, 180, f"round {kill_at}", interval=0.05)
+        with _round_held(pc):
+            killed_at = time.time()
+            cluster.kill(cluster.node(victim))
+            done_at_kill = _rounds_done(pc.run_dir)
         assert done_at_kill < ROUNDS, "the run ended before the kill: nothing was tested"
         rc = pc.get("server").wait(timeout=240)
         pc.shutdown(rc)
@@ -208,6 +240,62 @@ def test_a_run_survives_any_one_node(
 
     # (a) the node every service is connected to, never restarted
     _run_with_kill(cluster, config, tmp_path / "a", n1.name, reference, exp=f"{tag}a")
+
+
+def test_a_round_the_broker_lost_is_repeated_then_the_run_fails(
+    cluster: lc.LocalCluster, tmp_path: Path
+) -> None:
+    """(d) After test (a): n1 is started again; the server knows every node, the others n3 only.
+    However the fault falls, the run must fail with exit code 1 and one line naming the cause."""
+    n1, _n2, n3 = cluster.nodes
+    if not n1.alive:
+        cluster.restart(n1)
+        cluster.wait_members(3)
+    # a short round deadline: a lost attempt is declared at it
+    config = write_config(tmp_path / "d.yaml", rounds=ROUNDS, round_timeout_s=5)
+    exp = f"c{os.getpid()}d"
+    env = dict(os.environ, RABBITMQ_QUEUE_TYPE="quorum", FEDFLEET_RECONNECT_BUDGET_S=str(BUDGET_S))
+    pc = ProcessCluster(
+        n3.url, exp, config, tmp_path / "run", logs=tmp_path, state_dir=tmp_path / "state", env=env
+    )
+    pc.server(env={"RABBITMQ_URL": cluster.url})
+    for i in range(2):
+        pc.aggregator(f"aggregator-{i}")
+    for i in range(2):
+        pc.client(f"client-{i}")
+    try:
+        wait_for(lambda: _rounds_done(pc.run_dir) >= 1, 180, "round 1", interval=0.05)
+        with _round_held(pc):
+            cluster.kill(n3)
+            done_at_kill = _rounds_done(pc.run_dir)
+        assert done_at_kill < ROUNDS, "the run ended before the kill: nothing was tested"
+        rc = pc.get("server").wait(timeout=BUDGET_S + 180)
+    finally:
+        pc.stop_all()
+    why = f"logs in {tmp_path}"
+    rows = read_rounds(pc.run_dir)
+    assert rc == 1, f"server exit code {rc}; {why}"
+    summary = json.loads((pc.run_dir / "summary.json").read_text())
+    lost = [r for r in rows if r["outcome"] == "lost"]
+    assert summary["rounds_lost"] == len(lost) and summary["rounds_completed"] < ROUNDS, why
+    server_log = (tmp_path / "server.log").read_text().splitlines()
+    # Two ways to fail, both named: the round in flight is lost and repeated until the budget runs
+    # out, or — when the hosts were written off before the next round could open (their heartbeats
+    # stopped while the server was still settling leases) — no round opens without hosts
+    if lost:
+        assert rows[-1]["outcome"] == "lost" and all(int(r["participants"]) == 0 for r in lost), why
+        assert len({r["round"] for r in lost}) == 1, "only the round in which the run gave up is lost"
+        expected = f"round {lost[0]['round']} was lost to the broker {len(lost)} times"
+    else:
+        expected = f"round {len(rows) + 1}: no client host served any device"
+    assert server_log[-1].startswith(expected), server_log[-3:]
+    assert not any("Traceback" in line for line in server_log)
+    print(f"\n[lost] n3 killed: {server_log[-1]}")
+    t = AmqpTransport(n1.url, exp, options=QUORUM)
+    try:
+        t.delete_experiment([t.names.server_queue, t.names.updates_queue, *pc.client_queues()])
+    finally:
+        t.close()
 
 
 def test_one_lost_address_and_no_other_fails_with_one_clear_line(

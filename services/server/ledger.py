@@ -5,6 +5,10 @@ Why separate from the server's round logic: the rows of ``rounds.csv``, the per-
 path a round took (completed, below quorum, resumed from a checkpoint). The server decides *what
 happened*; the ledger turns it into rows, totals and metrics, and writes them — the same way every
 time, and restorable from a checkpoint.
+
+A round the broker lost (``lost``) has a row of its own for each lost attempt, so the bytes it cost
+stay in the totals and the rows; ``summary.json`` counts rounds by number (``rounds``) and the lost
+attempts apart (``rounds_lost``), so a run that had to repeat a round is never mistaken for a clean one.
 """
 
 from __future__ import annotations
@@ -211,8 +215,9 @@ class RunLedger:
                 t[k] += getattr(st, k)
         return {
             **meta,
-            "rounds": len(self.rows),
+            "rounds": len({r["round"] for r in self.rows}),
             "rounds_completed": sum(r["outcome"] == "completed" for r in self.rows),
+            "rounds_lost": sum(r["outcome"] == "lost" for r in self.rows),
             "final_accuracy": accs[-1] if accs else None,
             "best_accuracy": max(accs) if accs else None,
             **self.totals,

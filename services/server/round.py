@@ -11,6 +11,11 @@ the next one, and "what happens when an update arrives" is answered here, in one
 3. when every selected device is accounted for (receipt, refusal, dropout, unreachable, discarded),
    or the deadline passes with a quorum, the server flushes; the round is complete once every
    receipted device is *covered* by exactly one merged partial.
+
+A round that ends with nothing merged is either ``below-quorum`` (the fleet, as emulated, could not
+deliver: refusals, dropouts, the emulated deadline) or ``lost`` (the broker lost it:
+:meth:`RoundState.lost_to_broker` says which); a lost round is opened again as a new attempt of
+the same round (``attempt``, :class:`RepeatPolicy`), not counted as a result.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from services.server.fanout import Fanout
-from shared.algorithms.base import Partial, Strategy
+from shared.algorithms.base import Partial, Strategy, TaskSpec
 from shared.schemas import EvalResult, Ready, Receipt, Reject, RoundOpen
 
 
@@ -39,6 +44,8 @@ class Phase(StrEnum):
     FLUSHING = "flushing"
     #: between a finalized round and the next one (only inside ``_finalize``)
     BETWEEN = "between"
+    #: a round the broker lost waits for its pause to end, then opens again (its next attempt)
+    REPEATING = "repeating"
     #: after the last round of a personalised algorithm: every device evaluates its own model
     EVALUATING = "evaluating"
     #: results written, ``stop`` broadcast
@@ -82,6 +89,19 @@ class RoundState:
     fanout: Fanout | None = None
     #: the server's broker traffic (published + consumed) when the round opened
     broker_mark: int = 0
+    #: the strategy's plan for the round (kept so that a lost round is repeated with the same tasks:
+    #: planning again could advance a strategy's state)
+    tasks: dict[int, TaskSpec] = field(default_factory=dict)
+    #: 1 for the first opening of this round number, 2 for its first repeat, ...
+    attempt: int = 1
+    #: the transport's fault count (``Transport.faults``) when the round opened
+    faults_mark: int = 0
+    #: when an earlier attempt of this round was first lost (None: the first attempt)
+    first_lost: float | None = None
+    #: a repeat waiting in ``Phase.REPEATING``: when its pause ends
+    resume_at: float = 0.0
+    #: the flush deadline passed with receipted updates no partial brought
+    flush_timed_out: bool = False
 
     def __post_init__(self) -> None:
         self._selected_set = frozenset(self.selected)
@@ -146,6 +166,101 @@ class RoundState:
 
     def drop_reason(self, device: int) -> str:
         return "unreachable" if device in self.unreachable else self.discarded.get(device, "deadline")
+
+    # -- lost to the broker? -------------------------------------------------------------------------
+    def answered(self) -> set[int]:
+        """Selected devices that gave any sign of life this round: an update (its receipt, or its
+        refusal as out of bounds), a refusal, a dropout notice, a ``ready``."""
+        notices = {d for d, why in self.discarded.items() if why in EMULATED_DISCARDS}
+        return set(self.receipts) | set(self.rejects) | set(self.readies) | notices
+
+    def missing(self, emulated_silent: set[int]) -> set[int]:
+        """Selected devices whose silence the emulation does not explain: no update, no refusal, no
+        emulated discard, and not a device the emulation drops this round (``emulated_silent``: a
+        dropout in ``real`` time sends no notice). Unreachable devices and those of a lost host count:
+        neither is something the emulation decided."""
+        return set(self._selected_set - self.answered() - emulated_silent)
+
+    def lost_to_broker(
+        self, emulated_silent: set[int], broker_fault: bool, *, real_time: bool = False
+    ) -> str | None:
+        """Why this round, which merged nothing, was lost to the broker — or None when it simply fell
+        below the quorum.
+
+        The rule (the server cannot see the broker's queues, only what reaches it):
+
+        * nothing was merged (a round with a participant is a result, if a smaller one), and
+        * some selected device is *missing* (:meth:`missing`): silent for no emulated reason. A
+          round whose every device refused, dropped out or finished after the emulated deadline is
+          the emulation's verdict and stays ``below-quorum`` (repeating it would repeat it), and
+        * either an update an aggregator had receipted never reached the server in a partial (the
+          flush timed out: the aggregators or their partials were lost; checked first), or
+        * **no** device expected to answer answered at all — no receipt, refusal, dropout
+          notice or ``ready`` arrived from any selected device's host, which no emulated behaviour
+          produces: a reachable device always answers its task — or the server's own transport
+          lost its connection or had a consumer cancelled while the round was open
+          (``broker_fault``), so that whatever the missing devices sent may have gone with it.
+
+        The first clause also covers a round nobody could answer within ``round_timeout_s`` (a
+        deadline shorter than one local training, or a first round slowed by a busy machine): the
+        repeat takes the late answers that arrived meanwhile, and a round that stays silent fails
+        the run naming both causes instead of going on with empty rounds. In ``real`` time mode
+        (``real_time``) devices throttle in wall time, so a round whose every device is a straggler
+        at ``round_timeout_s`` is the emulation's: there only the second clause applies.
+        """
+        if self.covered:
+            return None
+        stranded = set(self.receipts) if self.flush_timed_out else set()
+        if stranded:
+            # a receipt says an aggregator holds the update; no emulated behaviour loses it after that
+            return (
+                f"{len(stranded)} updates reached an aggregator but no partial brought them (flush timed out)"
+            )
+        missing = self.missing(emulated_silent)
+        if not missing:
+            return None
+        expected = self._selected_set - emulated_silent
+        if not real_time and not self.answered() & expected:
+            return f"none of the {len(expected)} devices expected to answer did (no update, refusal, notice)"
+        if broker_fault:
+            return f"the broker connection failed during the round and {len(missing)} devices stayed silent"
+        return None
+
+
+#: discards that are the emulation's own answer (a dropout notice, a ``ready`` past the emulated
+#: deadline or beyond the kept finishers), as opposed to ``host-lost``
+EMULATED_DISCARDS = frozenset({"dropout", "deadline", "surplus"})
+
+#: at most this many repeats of one lost round (on top of the reconnect budget, which bounds time)
+ROUND_REPEATS = 3
+
+
+@dataclass(frozen=True)
+class RepeatPolicy:
+    """How a lost round is repeated: at most ``repeats`` times, after a pause that starts at
+    ``backoff_s`` and doubles up to ``backoff_max_s``, and only while the time since the round was
+    first lost is within ``budget_s``. The broker settings (``FEDFLEET_RECONNECT_*``) are the
+    defaults: a lost round waits for the broker exactly as long as a lost connection does."""
+
+    repeats: int = ROUND_REPEATS
+    budget_s: float = 120.0
+    backoff_s: float = 0.25
+    backoff_max_s: float = 5.0
+
+    @classmethod
+    def from_settings(cls) -> RepeatPolicy:
+        from shared.config import Settings
+
+        s = Settings()
+        return cls(
+            budget_s=s.reconnect_budget_s,
+            backoff_s=s.reconnect_backoff_s,
+            backoff_max_s=s.reconnect_backoff_max_s,
+        )
+
+    def pause(self, attempt: int) -> float:
+        """The pause before opening attempt ``attempt + 1`` of a round."""
+        return float(min(self.backoff_s * 2 ** (attempt - 1), self.backoff_max_s))
 
 
 @dataclass

@@ -14,6 +14,12 @@ Where things live: the open round's bookkeeping, and what happens when an update
 :class:`~services.server.ledger.RunLedger`; the checkpoint format is
 :mod:`services.server.checkpoint`. This class wires messages to them.
 
+No silent success: a round that merged nothing because the broker lost it (the rule is
+:meth:`~services.server.round.RoundState.lost_to_broker`) is recorded as ``lost`` and opened again —
+same number, selection, key and tasks, so the model is the clean run's — after a pause, at most
+``ROUND_REPEATS`` times and within the reconnect budget (:class:`~services.server.round.RepeatPolicy`);
+past that the run stops with ``error`` set (exit code 1), never as a success.
+
 Exactly-once: aggregators hold their acks until the server accepts the partial that contains an
 update. A partial that overlaps devices already covered is refused: a normal partial's updates are
 requeued and come back one by one (``singleton`` partials, built from redelivered messages), and a
@@ -24,6 +30,7 @@ nothing in the result.
 from __future__ import annotations
 
 import contextlib
+import math
 import secrets
 import time
 import uuid
@@ -37,11 +44,11 @@ from services.common import MessageHandler, ServiceBase, decode_tensors
 from services.server import checkpoint, fanout
 from services.server.leases import Leases
 from services.server.ledger import RoundOutcome, RunLedger
-from services.server.round import EvaluationState, Phase, RoundState
+from services.server.round import EvaluationState, Phase, RepeatPolicy, RoundState
 from shared import metrics
 from shared.algorithms.base import Partial, ServerState, TaskSpec, derive_seed
 from shared.config import ExperimentConfig
-from shared.devices import is_online, over_select
+from shared.devices import dropout_point, is_online, over_select
 from shared.experiment import Experiment
 from shared.provision import BrokerAdmin, ProvisionError, new_host
 from shared.schemas import Decision as DecisionMsg
@@ -100,6 +107,7 @@ class Server(ServiceBase):
         experiment_id: str,
         flush_timeout_s: float = 30.0,
         admin: BrokerAdmin | None = None,
+        repeat: RepeatPolicy | None = None,
     ) -> None:
         cfg = exp.cfg
         super().__init__(transport, experiment_id, cfg.algorithm.name, cfg.processes.max_message_bytes)
@@ -132,6 +140,10 @@ class Server(ServiceBase):
         self._planned: tuple[int, tuple[int, ...], dict[int, TaskSpec]] | None = None
         self.evaluation: EvaluationState | None = None
         self.last_retry = 0.0
+        #: how lost rounds are repeated (default: the broker settings' budget and backoff)
+        self.repeat = repeat if repeat is not None else RepeatPolicy.from_settings()
+        #: since when no client host has served any device (None: some host does)
+        self._no_hosts_since: float | None = None
         self.resumed = self._resume()
         self.error: str | None = None
         self._phases: dict[Phase, Callable[[float], None]] = {
@@ -141,6 +153,7 @@ class Server(ServiceBase):
             Phase.OPEN: self._tick_open,
             Phase.FLUSHING: self._tick_flushing,
             Phase.EVALUATING: self._tick_evaluating,
+            Phase.REPEATING: self._tick_repeating,
         }
 
         #: gives joining hosts broker users of their own (None: hosts come with their users)
@@ -178,7 +191,7 @@ class Server(ServiceBase):
         metrics.DENSITY.labels(*labels).set(self.strategy.density(self.state))
         metrics.ROUND_DURATION.labels(*labels)
         metrics.ROUND_VIRTUAL_DURATION.labels(*labels)
-        for outcome in ("completed", "below-quorum"):
+        for outcome in ("completed", "below-quorum", "lost"):
             metrics.ROUNDS_COMPLETED.labels(*labels, outcome)
 
     @property
@@ -287,7 +300,8 @@ class Server(ServiceBase):
         """The open round if ``env`` belongs to it (this incarnation, this round, open or flushing)."""
         rs = self.rs
         current = rs is not None and env.inc == self.incarnation and env.round == rs.number
-        return rs if current and self.phase in (Phase.OPEN, Phase.FLUSHING) else None
+        # a lost round waiting to be repeated takes its late answers: they count for the repeat
+        return rs if current and self.phase in (Phase.OPEN, Phase.FLUSHING, Phase.REPEATING) else None
 
     def on_receipt(self, env: Envelope, msg: Receipt, d: Delivery) -> None:
         if (rs := self._open(env)) is not None:
@@ -408,7 +422,7 @@ class Server(ServiceBase):
             self._forget_host(host.host_id)
         for host in gone:
             rs = self.rs
-            if rs is None or self.phase not in (Phase.OPEN, Phase.FLUSHING):
+            if rs is None or self.phase not in (Phase.OPEN, Phase.FLUSHING, Phase.REPEATING):
                 continue
             for dev in sorted(host.devices):
                 if rs.is_selected(dev) and dev not in rs.receipts:
@@ -478,6 +492,7 @@ class Server(ServiceBase):
             self._finalize("completed" if rs.covered else "below-quorum")
         elif now >= rs.flush_deadline:
             lost = sorted(set(rs.receipts) - rs.covered)
+            rs.flush_timed_out = True
             self.log.error(
                 "flush timed out; %d receipted updates never arrived in a partial: %s",
                 len(lost),
@@ -487,6 +502,13 @@ class Server(ServiceBase):
             self._finalize("completed" if rs.covered else "below-quorum")
         elif now - rs.last_flush >= FLUSH_RETRY_S:
             self._broadcast_flush(rs, now)
+
+    def _tick_repeating(self, now: float) -> None:
+        """A lost round's pause is over: open it again, once every lease is applied (as any round)."""
+        rs = self.rs
+        assert rs is not None
+        if now >= rs.resume_at and self.leases.settle():
+            self._reopen(rs)
 
     def _tick_evaluating(self, now: float) -> None:
         ev = self.evaluation
@@ -519,6 +541,8 @@ class Server(ServiceBase):
     def _open_round(self) -> None:
         mark = self.bytes_published + self.bytes_consumed  # the round's broker traffic starts here
         number = self.round + 1
+        if not self._hosts_serve(number):
+            return
         selected, offline = self._select(number)
         started = time.time()
         deadline = started + self.cfg.round_timeout_s
@@ -556,6 +580,8 @@ class Server(ServiceBase):
             deadline=deadline,
             announcement=announcement,
             last_announced=time.time(),
+            tasks=tasks,
+            faults_mark=self.transport.faults,
         )
         rs.broker_mark = mark
         rs.fanout = out
@@ -574,6 +600,82 @@ class Server(ServiceBase):
             extra={"event": "round_open", "round": number},
         )
 
+    def _reopen(self, rs: RoundState) -> None:
+        """Open the next attempt of a round the broker lost: the same number, selection, key and
+        tasks (so the devices train what they would have), routed to the devices' hosts as of now,
+        announced again (an aggregator that knows the round takes it as the same one) and sent to
+        the devices that have not answered yet — an answer that came late, during the pause, counts."""
+        mark = self.bytes_published + self.bytes_consumed
+        now = time.time()
+        out = self._fanout(Kind.TASK, rs.tasks, rs.selected, rs.key, rs.number)
+        rs.announcement = RoundOpen(
+            selected=rs.selected,
+            deadline_unix=now + self.cfg.round_timeout_s,
+            round_key=rs.key,
+            holders=[self.leases.table.host_of(dev) or "" for dev in rs.selected],
+            layouts=list(out.layouts.values()),
+        )
+        try:
+            self.send(
+                KEY_AGGREGATORS, Kind.ROUND_OPEN, rs.announcement, round=rs.number, inc=self.incarnation
+            )
+        except Unroutable:  # no aggregator listening: try again in a moment, within the budget
+            elapsed = now - (rs.first_lost or now)
+            if elapsed > self.repeat.budget_s:
+                self._give_up(rs, "no aggregator is listening to repeat it", elapsed)
+                return
+            rs.resume_at = now + FLUSH_RETRY_S
+            return
+        rs.started, rs.deadline, rs.last_announced = now, now + self.cfg.round_timeout_s, now
+        rs.broker_mark, rs.fanout = mark, out
+        self.phase = Phase.OPEN
+        labels = (self.experiment, self.algorithm)
+        metrics.ROUND_OPEN.labels(*labels).set(1)
+        metrics.ROUND_STARTED.labels(*labels).set(now)
+        metrics.ROUND_DEADLINE.labels(*labels).set(rs.deadline)
+        self.ledger.selected(rs)
+        silent = set(rs.selected) - rs.answered()
+        for dev in silent:  # sent again, maybe to another host: not written off before it can answer
+            rs.unreachable.discard(dev)
+            if rs.discarded.get(dev) == "host-lost":
+                del rs.discarded[dev]
+        self._send_tasks(rs, only=silent)
+        self.log.info(
+            "round %d opened again (attempt %d): tasks to the %d of %d devices that have not answered",
+            rs.number,
+            rs.attempt,
+            len(silent),
+            len(rs.selected),
+            extra={"event": "round_open", "round": rs.number, "f_attempt": rs.attempt},
+        )
+
+    def _hosts_serve(self, number: int) -> bool:
+        """Does any client host serve a device? A round with nobody to select is no round: the server
+        waits for hosts (``Phase.WAITING``) within the reconnect budget, then fails the run. Before,
+        a fleet whose hosts had all lost the broker ran its remaining rounds with 0 devices each and
+        ended 0. (Devices offline by the emulation's availability model are another matter: they are
+        served, just not online, and such a round opens as usual.)"""
+        self.leases.settle()  # hosts that came back get their leases
+        if self.leases.table.available():
+            self._no_hosts_since = None
+            return True
+        now = time.time()
+        if self._no_hosts_since is None:
+            self._no_hosts_since = now
+            self.log.warning(
+                "no client host serves any device; round %d waits", number, extra={"event": "no_hosts"}
+            )
+        elif now - self._no_hosts_since > self.repeat.budget_s:
+            self._fail(
+                f"round {number}: no client host served any device for {now - self._no_hosts_since:.0f}s "
+                f"(FEDFLEET_RECONNECT_BUDGET_S={self.repeat.budget_s:g}): are the client processes running "
+                "and connected to the broker?",
+                number,
+            )
+            return False
+        self.phase = Phase.WAITING
+        return False
+
     def _plan(self, number: int, selected: list[int]) -> dict[int, TaskSpec]:
         """The strategy's tasks for round ``number``: planned once, kept while the round waits for an
         aggregator (a strategy may advance its own state when it plans)."""
@@ -583,13 +685,14 @@ class Server(ServiceBase):
         self._planned = (number, tuple(selected), tasks)
         return tasks
 
-    def _send_tasks(self, rs: RoundState) -> None:
-        """Publish every selected device's task (shared parts once per host: see ``fanout``); a task
-        nobody can receive makes its device unreachable for the round."""
+    def _send_tasks(self, rs: RoundState, only: set[int] | None = None) -> None:
+        """Publish every selected device's task, or those of ``only`` (shared parts once per host:
+        see ``fanout``); a task nobody can receive makes its device unreachable for the round."""
         assert rs.fanout is not None
+        sending = rs.fanout if only is None else _only(rs.fanout, only)
         # one broker round trip for the whole fan-out, not one confirm per device
-        unroutable = fanout.publish(rs.fanout, self.publish_batch, Kind.TASK)
-        for out in rs.fanout.tasks:
+        unroutable = fanout.publish(sending, self.publish_batch, Kind.TASK)
+        for out in sending.tasks:
             if out.routing_key in unroutable:
                 rs.unreachable.add(out.device)
                 self.log.warning(
@@ -685,6 +788,15 @@ class Server(ServiceBase):
     def _finalize(self, outcome: str) -> None:
         rs = self.rs
         assert rs is not None
+        if outcome != "completed":
+            why = rs.lost_to_broker(
+                self._emulated_silent(rs),
+                self.transport.faults > rs.faults_mark,
+                real_time=self.cfg.emulation.time_mode == "real",
+            )
+            if why is not None:
+                self._lose(rs, why)
+                return
         merged = rs.merged if outcome == "completed" else None
         self.state = self.strategy.finalize(self.state, merged, rs.number)
         for what, n in getattr(self.strategy, "robust_counts", {}).items():  # robust aggregation only
@@ -722,6 +834,89 @@ class Server(ServiceBase):
         self._save_checkpoint()
         self.rs, self.phase = None, Phase.BETWEEN
         self._next()
+
+    def _emulated_silent(self, rs: RoundState) -> set[int]:
+        """Selected devices the emulation drops this round: in ``real`` time they send no notice."""
+        fleet, seed = self.exp.fleet, self.cfg.seed
+        return {d for d in rs.selected if dropout_point(fleet[d], rs.number, seed) is not None}
+
+    def _lose(self, rs: RoundState, why: str) -> None:
+        """Record the attempt as ``lost`` and open the round again after a pause — or, past the
+        repeats or the reconnect budget, stop the run with one line saying why (exit code 1).
+
+        Nothing of the attempt reaches the model: the strategy's ``finalize`` is not called, no
+        evaluation runs, and the round is not checkpointed (a resumed run runs it again). The
+        attempt's row in ``rounds.csv`` keeps the bytes it cost; the next attempt is a new
+        ``RoundState`` of the same round, which takes the lost attempt's late answers (a slow device's
+        receipt) while it waits, so what did arrive is not trained again.
+        """
+        now = time.time()
+        result = RoundOutcome(
+            outcome="lost",
+            participants=[],
+            evaluation={},
+            reported={},
+            density=self.strategy.density(self.state),
+            virtual_seconds=0.0,
+            broker_bytes=self._broker_bytes(rs),
+        )
+        self.ledger.record_round(rs, result)
+        silent = sorted(rs.missing(self._emulated_silent(rs)))
+        self.log.error(
+            "round %d (attempt %d) lost to the broker: %s; silent devices %s",
+            rs.number,
+            rs.attempt,
+            why,
+            silent[:10],
+            extra={"event": "round_lost", "round": rs.number, "f_attempt": rs.attempt, "f_outcome": "lost"},
+        )
+        summary = RoundSummary(outcome="lost", accuracy=None, loss=None, participants=0)
+        self._send_quietly(KEY_AGGREGATORS, Kind.ROUND_SUMMARY, summary)
+        self.ledger.write_rows(self.run_dir)
+        first_lost = rs.first_lost if rs.first_lost is not None else now
+        elapsed = now - first_lost
+        pause = self.repeat.pause(rs.attempt)
+        if rs.attempt > self.repeat.repeats or elapsed + pause > self.repeat.budget_s:
+            self._give_up(rs, why, elapsed)
+            return
+        self.rs = RoundState(
+            number=rs.number,
+            selected=rs.selected,
+            offline=rs.offline,
+            key=rs.key,
+            started=now,
+            deadline=math.inf,
+            announcement=rs.announcement,
+            last_announced=now,
+            tasks=rs.tasks,
+            attempt=rs.attempt + 1,
+            faults_mark=self.transport.faults,
+            first_lost=first_lost,
+            resume_at=now + pause,
+        )
+        self.phase = Phase.REPEATING
+
+    def _give_up(self, rs: RoundState, why: str, elapsed: float) -> None:
+        """No repeat left: results so far are written, the others told to stop, and the run fails."""
+        lost = sum(r["round"] == rs.number and r["outcome"] == "lost" for r in self.rows)
+        self._fail(
+            f"round {rs.number} was lost to the broker {lost} times in {elapsed:.0f}s ({why}); "
+            f"gave up after {lost - 1} repeats (at most {self.repeat.repeats}, within "
+            f"FEDFLEET_RECONNECT_BUDGET_S={self.repeat.budget_s:g}): check the broker and the services' "
+            f"amqp_* log events, or raise round_timeout_s ({self.cfg.round_timeout_s:g}s) if one local "
+            "training takes longer",
+            rs.number,
+        )
+
+    def _fail(self, error: str, number: int) -> None:
+        """Stop the run as failed: ``error`` is its one line (``fedfleet server`` prints it and exits 1)."""
+        self.error = error
+        self.log.error(self.error, extra={"event": "run_failed", "round": number})
+        self.phase = Phase.DONE
+        self.write_results()
+        for key in (KEY_CLIENTS, KEY_AGGREGATORS):
+            self._send_quietly(key, Kind.STOP, Stop())
+        self.stopped = True
 
     def _broker_bytes(self, rs: RoundState) -> int:
         """What the round put through the broker: everything the server sent and took, and every
@@ -884,3 +1079,11 @@ class Server(ServiceBase):
             self.write_results()
             return
         super().run(poll_s)
+
+
+def _only(out: fanout.Fanout, devices: set[int]) -> fanout.Fanout:
+    """The part of a fan-out that goes to ``devices``: their tasks, and the payloads of their hosts."""
+    tasks = [t for t in out.tasks if t.device in devices]
+    hosts = {t.host for t in tasks}
+    payloads = [p for p in out.payloads if p[0] in hosts]
+    return fanout.Fanout(payloads=payloads, tasks=tasks, by_digest=out.by_digest, layouts=out.layouts)

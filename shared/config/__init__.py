@@ -461,6 +461,10 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="FEDFLEET_", extra="ignore", allow_inf_nan=False)
 
+    #: the broker: one AMQP URL, or several separated by ``;`` (every node of a cluster, each a full
+    #: URL with user and virtual host). A service connects to the first that answers and, after a
+    #: loss, to the next (docs/broker.md). ``fedfleet run`` uses the in-process broker instead only
+    #: when this is unset and nothing answers at the default
     rabbitmq_url: str = Field(
         default="amqp://guest:guest@127.0.0.1:5672/%2F",
         validation_alias="RABBITMQ_URL",
@@ -473,7 +477,8 @@ class Settings(BaseSettings):
         default="classic", validation_alias="RABBITMQ_QUEUE_TYPE"
     )
     #: seconds a service keeps trying to reach any broker address after a loss (or at start) before
-    #: it exits non-zero naming the addresses it tried
+    #: it exits non-zero naming the addresses it tried; also how long the server goes on repeating a
+    #: round the broker lost (at most 3 times) before the run fails
     reconnect_budget_s: float = Field(120.0, gt=0)
     #: first pause between connection attempts; doubled after each failed pass over the addresses
     reconnect_backoff_s: float = Field(0.25, gt=0)
@@ -482,8 +487,13 @@ class Settings(BaseSettings):
     #: times a publish the broker refused (NACK, closed channel) is sent again on a fresh channel
     #: before the service treats the broker as lost (leader elections NACK for about 0.1-0.5 s)
     publish_retries: int = Field(8, ge=0)
+    #: the port of the process's Prometheus ``/metrics`` (``--metrics-port`` wins); unset: 9100 for
+    #: the server, 9101 for an aggregator, 9102 for a client host
     metrics_port: int | None = None
+    #: the experiment id: it names the broker's exchange and queues and the run directory
+    #: (``--experiment`` wins); unset: the config's ``name``
     experiment: str | None = None
+    #: the level of the JSON log lines every service writes to stderr (``DEBUG``, ``INFO``, ...)
     log_level: str = "INFO"
     #: after its work a service waits until Prometheus has scraped its final counts, at most this many
     #: seconds (0: exits at once). Set it above the scrape interval wherever Prometheus scrapes.

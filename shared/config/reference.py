@@ -3,7 +3,9 @@
 Why generated: the pydantic models are the only authority on what a config may say (they validate
 every file), and their ``#:`` comments say why each key exists. A hand-written reference would drift
 from them; this one is rebuilt from them, and a test fails when ``docs/configuration.md`` is stale.
-The algorithms' ``Options`` models are included, so one page answers "what can I set?".
+The algorithms' ``Options`` models are included, so one page answers "what can I set?" — and so
+are the process settings a deployment gives through the environment (``Settings``: the broker's
+addresses, queue type and reconnect budget, ports, users), each under the variable it is read from.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from shared.config import (
     ModelConfig,
     ProcessConfig,
     RobustConfig,
+    Settings,
     TrainConfig,
 )
 
@@ -149,6 +152,38 @@ def model_table(cls: type[BaseModel], prefix: str = "") -> list[str]:
     return rows
 
 
+#: variables read from the environment outside ``Settings``, with what they mean (a test checks the
+#: code reads no other)
+OTHER_ENV: dict[str, str] = {
+    "HOSTNAME": "a client host's and an aggregator's default identity when `--id` is not given (a "
+    "pod's name on Kubernetes; an aggregator's queue is named after it, so two must never share one); "
+    "unset: the machine's host name",
+}
+
+
+def env_name(name: str, info: FieldInfo) -> str:
+    """The environment variable a ``Settings`` field is read from: its alias, else the prefix and
+    its name (pydantic-settings matches either case; the page shows upper case)."""
+    alias = info.validation_alias
+    if isinstance(alias, str):
+        return alias
+    return f"{Settings.model_config.get('env_prefix', '')}{name}".upper()
+
+
+def settings_table() -> list[str]:
+    """One row per process setting, named by its environment variable."""
+    notes = field_comments(Settings)
+    rows = ["| variable | type | default | bounds | meaning |", "|---|---|---|---|---|"]
+    for name, info in Settings.model_fields.items():
+        rows.append(
+            f"| `{env_name(name, info)}` | {_type_name(info.annotation)} | {_default(info)} | "
+            f"{_bounds(info)} | {_cell(notes.get(name, ''))} |"
+        )
+    for var, meaning in OTHER_ENV.items():
+        rows.append(f"| `{var}` | str | (see meaning) |  | {_cell(meaning)} |")
+    return rows
+
+
 def _doc(obj: object) -> str:
     doc = inspect.getdoc(obj) or ""
     return doc.split("\n\n")[0].replace("\n", " ")
@@ -180,6 +215,17 @@ def config_reference() -> str:
             out += ["", "Datasets: " + ", ".join(f"`{n}`" for n in DATASET_NAMES) + "."]
         if cls is ModelConfig:
             out += ["", "Models: " + ", ".join(f"`{n}`" for n in MODELS) + "."]
+    out += [
+        "",
+        "## Process settings (environment)",
+        "",
+        "Deployment concerns, not experiment design: every process (server, aggregator, client host, "
+        "`fedfleet run`) reads these from its environment, and they are not part of a config file. "
+        "A value that does not fit is an error at start that names the variable. "
+        "The broker settings are explained, with measurements, in [broker.md](broker.md).",
+        "",
+        *settings_table(),
+    ]
     out += [
         "",
         "## Algorithms and their `algorithm.options`",

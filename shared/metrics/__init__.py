@@ -109,7 +109,7 @@ ROUND_VIRTUAL_DURATION = Histogram(
 )
 ROUNDS_COMPLETED = Counter(
     "fedfleet_rounds_total",
-    "Rounds finished, by outcome (completed, below-quorum).",
+    "Rounds finished, by outcome (completed, below-quorum; lost: an attempt the broker lost, repeated).",
     ("experiment", "algorithm", "outcome"),
 )
 ACCURACY = Gauge("fedfleet_accuracy_ratio", "Latest evaluation accuracy (0..1).", RUN_LABELS)

@@ -302,6 +302,7 @@ class AmqpTransport(Transport):
             scrub(str(err) or type(err).__name__, self.urls),
             extra={"event": "amqp_lost"},
         )
+        self.faults += 1
         self._safe_close()
         self._address = (self._address + 1) % len(self.urls)
         self._connect()
@@ -536,6 +537,7 @@ class AmqpTransport(Transport):
         re-subscribed from ``process``: pika calls this while it dispatches, not a place to block."""
         consumer = self._tags.pop(frame.method.consumer_tag, None)
         if consumer is not None:
+            self.faults += 1
             self._cancelled.append(consumer)
 
     def _resubscribe(self) -> None:

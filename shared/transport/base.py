@@ -119,6 +119,10 @@ class Transport(ABC):
     kind: str = "abstract"
     #: the broker user this transport is logged in as (every message it publishes carries it)
     user: str = ""
+    #: broker faults this transport met and recovered from so far: lost connections and consumers
+    #: the broker cancelled. Messages in flight may have gone with them; the server compares the
+    #: count across a round (``RoundState.lost_to_broker``). Always 0 in one process.
+    faults: int = 0
 
     def __init__(self, experiment: str) -> None:
         self.names = names(experiment)
