@@ -158,6 +158,9 @@ OTHER_ENV: dict[str, str] = {
     "HOSTNAME": "a client host's and an aggregator's default identity when `--id` is not given (a "
     "pod's name on Kubernetes; an aggregator's queue is named after it, so two must never share one); "
     "unset: the machine's host name",
+    "XDG_CACHE_HOME": "the base of the cache directory when `FEDFLEET_CACHE_DIR` is unset (the XDG "
+    "convention): the cache is `$XDG_CACHE_HOME/fedfleet`; unset: `~/.cache`, or the temporary directory "
+    "when there is no home directory",
 }
 
 
