@@ -1,6 +1,7 @@
 """Why SpaFL fails on Fashion-MNIST with LeNet-5 at the spec's lr: thresholds outrun the weights.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/spafl_fashion_diagnosis.py
+    PYTHONPATH=. .venv/bin/python benchmarks/spafl_fashion_diagnosis.py \
+        [--runs runs/reproduce/spafl/spafl-results-fashion]
 
 Why a separate script: ``make reproduce ALG=spafl`` shows SpaFL and Local far below FedAvg on
 ``experiments/spafl_fashion.yaml``; this isolates the cause without any federation. Five devices of
@@ -9,17 +10,22 @@ mode: no exchange, so aggregation and eq. 13 play no part) at the spec's lr 0.05
 ones, next to the plain LeNet-5 (no thresholds) at 0.05. It prints each device's accuracy on its own
 test split, the layer-averaged density, and the largest |τ| any step reached: with the same lr for
 weights and thresholds (spec §3.3), a conv filter's threshold gradient sums over every position of
-the filter, so one step can move τ past the filter's mean |w| (~0.1) and prune the layer.
+the filter, so one step can move τ past the filter's mean |w| (~0.1) and prune the layer. A row
+with the spec's τ ∈ [0, 1] clamp shows that bounding τ does not stop the jump. With ``--runs`` (the
+directory ``make reproduce ALG=spafl`` ran the Fashion block in) it also prints the largest |τ| per
+layer of each federated SpaFL run's final global thresholds.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import yaml
 
@@ -36,16 +42,17 @@ DEVICES = (14, 0, 2, 3, 4)
 ROUNDS = 3
 
 
-def _experiment(lr: float) -> Experiment:
+def _experiment(lr: float, clamp: bool = False) -> Experiment:
     raw: dict[str, Any] = yaml.safe_load((ROOT / "experiments/spafl_fashion.yaml").read_text())
     raw["algorithm"]["options"]["mode"] = "local_only"
+    raw["algorithm"]["options"]["clamp"] = clamp
     raw["train"]["lr"] = lr
     return Experiment.build(parse_config(raw, "spafl-fashion-diagnosis"))
 
 
-def spafl_local(lr: float) -> tuple[list[str], float]:
+def spafl_local(lr: float, clamp: bool = False) -> tuple[list[str], float]:
     """Per device "accuracy / layer density" after ``ROUNDS`` local rounds, and the largest |τ|."""
-    exp = _experiment(lr)
+    exp = _experiment(lr, clamp)
     strategy = exp.strategy
     biggest = 0.0
     inner = spafl.local_sgd
@@ -88,7 +95,20 @@ def plain(lr: float) -> list[str]:
     return out
 
 
+def global_thresholds(runs: Path) -> None:
+    """The largest |τ| per layer of each federated SpaFL run's final global state (its checkpoint)."""
+    for state in sorted(runs.glob("a*-SpaFL*-s*/checkpoint/state.npz")):
+        with np.load(state, allow_pickle=False) as z:
+            biggest = {
+                k.removeprefix("tau/"): float(np.abs(z[k]).max()) for k in z.files if k.startswith("tau/")
+            }
+        print(state.parents[1].name, " ".join(f"{k} {v:.3g}" for k, v in biggest.items()))
+
+
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=Path, help="the Fashion block's run directory (global τ of its runs)")
+    args = ap.parse_args()
     logging.disable(logging.WARNING)
     torch.set_num_threads(1)
     head = " | ".join(f"device {d}" for d in DEVICES)
@@ -98,6 +118,11 @@ def main() -> int:
     for lr in (0.05, 0.01, 0.005):
         cells, biggest = spafl_local(lr)
         print(f"| SpaFL Local, lr {lr} (accuracy / density) | {' | '.join(cells)} | {biggest:.3g} |")
+    cells, biggest = spafl_local(0.05, clamp=True)
+    print(f"| SpaFL Local, lr 0.05, τ clamped to [0, 1] | {' | '.join(cells)} | {biggest:.3g} |")
+    if args.runs is not None:
+        print()
+        global_thresholds(args.runs)
     return 0
 
 
