@@ -434,8 +434,8 @@ GRIDS: dict[str, Grid] = {
         config="experiments/hermes_fashion.yaml",
         setting=(
             "Fashion-MNIST (the first 3,000 training images), `lenet5_fmnist`, 30 devices with 2 classes "
-            "each (60 % of a device's samples its own test split), 10 per round, 50 rounds (the spec: "
-            "100), the spec's §8.1 hyper-parameters (E = 5, B = 16, lr 0.05, momentum 0.5, λ = 1e-4, "
+            "each (60 % of a device's samples its own test split), 10 per round, 100 rounds, the spec's "
+            "§8.1 hyper-parameters (E = 5, B = 16, lr 0.05, momentum 0.5, λ = 1e-4, "
             "r_p = 0.2, r_target = 0.3, acc_threshold = 0.5)"
         ),
         variants=(
