@@ -201,7 +201,6 @@ REPRODUCTIONS: dict[str, Reproduction] = {
                 "benchmarks/embracingfl_experiment.py",
                 ("--experiment", "A", "--alphas", "0.5", "0.1"),
                 table="table_A.md",
-                pending="its 36 runs did not fit on the shared machine in the session that added the command",
             ),
             Block(
                 "lgfedavg-results",
