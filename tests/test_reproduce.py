@@ -164,3 +164,18 @@ def test_grid_variants_inherit_the_configs_options_only_when_asked() -> None:
     feddse = rp.GRIDS["feddse-fashion"]
     cfg = rp._variant_config(feddse, feddse.variants[1], 0, None)
     assert cfg["algorithm"]["options"] == {"capacity": "paper"}, "FedDSE's variants spell out their options"
+
+
+def test_grid_variant_overrides_change_only_existing_keys() -> None:
+    """EmbracingFL's width reduction at the paper's ratios runs on a weaker fleet than the others."""
+    grid = rp.GRIDS["embracingfl-fashion"]
+    by_label = {v.label: v for v in grid.variants}
+    paper = rp._variant_config(grid, by_label["wr-paper"], 2, None)
+    assert paper["fleet"]["tiers"]["weak"]["memory_fraction"] == 0.24
+    assert paper["algorithm"]["options"]["budget_grid"] == (0.2, 0.45, 1.0)
+    assert (
+        rp._variant_config(grid, by_label["efl"], 2, None)["fleet"]["tiers"]["weak"]["memory_fraction"] == 0.4
+    )
+    typo = rp.Variant("typo", "embracingfl", overrides=(("fleet.tiers.weak.memory_fractoin", 0.3),))
+    with pytest.raises(KeyError, match="memory_fractoin"):
+        rp._variant_config(grid, typo, 0, None)
