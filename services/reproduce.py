@@ -207,8 +207,6 @@ REPRODUCTIONS: dict[str, Reproduction] = {
                 "services/reproduce.py",
                 ("grid", "embracingfl-fashion"),
                 configs=("experiments/embracingfl_fashion.yaml",),
-                pending="its 15 runs (~35 min on the shared 2 cores) did not fit after Experiment A in the "
-                "session that added the grid",
             ),
             Block(
                 "lgfedavg-results",
