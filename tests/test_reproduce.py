@@ -133,3 +133,49 @@ def test_reproduce_end_to_end_on_a_tiny_setting(tmp_path: Path) -> None:
     assert [t[0] for t in new_tables] == [t[0] for t in old_tables]
     assert [[row[0] for row in t] for t in new_tables] == [[row[0] for row in t] for t in old_tables]
     assert (tmp_path / "runs" / "embracingfl" / "lgfedavg-results" / "code-version.txt").exists()
+
+
+def test_grid_checks_decide_on_the_seed_mean_with_margins_and_byte_ratios() -> None:
+    """Hermes' checks carry a margin ("≥ FedAvg + 20 points") and a traffic bound; a bare ordering
+    must not pass on a float-noise tie."""
+    res = {
+        "a": [{"personal": 80.0, "bytes": 50.0}, {"personal": 70.0, "bytes": 60.0}],
+        "b": [{"personal": 55.0, "bytes": 100.0}, {"personal": 55.0, "bytes": 100.0}],
+        "tie": [{"personal": 55.0, "bytes": 100.0}, {"personal": 55.0 + 1e-15, "bytes": 100.0}],
+    }
+    measured, ok = rp.verdict(rp.Check("a ≥ b + 20", "a", "b", margin=20.0), res, "personal")
+    assert ok and measured.startswith("20.0 ± 7.1 (25.0 / 15.0)")
+    assert not rp.verdict(rp.Check("a ≥ b + 21", "a", "b", margin=21.0), res, "personal")[1]
+    assert not rp.verdict(rp.Check("tie ordered", "tie", "b"), res, "personal")[1]
+    assert rp.verdict(rp.Check("b below a", "b", "a", sign=-1), res, "personal")[1]
+    measured, ok = rp.verdict(rp.Check("bytes", "a", "b", max_ratio=0.55), res, "personal")
+    assert ok and measured.startswith("0.550 (0.500 / 0.600)")
+    assert not rp.verdict(rp.Check("bytes", "a", "b", max_ratio=0.5), res, "personal")[1]
+
+
+def test_grid_variants_inherit_the_configs_options_only_when_asked() -> None:
+    grid = rp.GRIDS["hermes-fashion"]
+    no_pruning = next(v for v in grid.variants if v.label == "hermes-no-pruning")
+    cfg = rp._variant_config(grid, no_pruning, 1, None)
+    assert cfg["algorithm"]["options"]["r_target"] == 1.0
+    assert cfg["algorithm"]["options"]["acc_threshold"] == 0.5, "the config's other options are kept"
+    fedavg = next(v for v in grid.variants if v.algorithm == "fedavg")
+    assert rp._variant_config(grid, fedavg, 1, None)["algorithm"]["options"] == {}
+    feddse = rp.GRIDS["feddse-fashion"]
+    cfg = rp._variant_config(feddse, feddse.variants[1], 0, None)
+    assert cfg["algorithm"]["options"] == {"capacity": "paper"}, "FedDSE's variants spell out their options"
+
+
+def test_grid_variant_overrides_change_only_existing_keys() -> None:
+    """EmbracingFL's width reduction at the paper's ratios runs on a weaker fleet than the others."""
+    grid = rp.GRIDS["embracingfl-fashion"]
+    by_label = {v.label: v for v in grid.variants}
+    paper = rp._variant_config(grid, by_label["wr-paper"], 2, None)
+    assert paper["fleet"]["tiers"]["weak"]["memory_fraction"] == 0.24
+    assert paper["algorithm"]["options"]["budget_grid"] == (0.2, 0.45, 1.0)
+    assert (
+        rp._variant_config(grid, by_label["efl"], 2, None)["fleet"]["tiers"]["weak"]["memory_fraction"] == 0.4
+    )
+    typo = rp.Variant("typo", "embracingfl", overrides=(("fleet.tiers.weak.memory_fractoin", 0.3),))
+    with pytest.raises(KeyError, match="memory_fractoin"):
+        rp._variant_config(grid, typo, 0, None)
