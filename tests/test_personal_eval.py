@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -83,3 +84,31 @@ def test_dense_algorithms_skip_the_device_evaluation(tmp_path: Path) -> None:
     assert run_inproc(cfg, run, f"fa-{tmp_path.name}") == 0
     summary = json.loads((run / "summary.json").read_text())
     assert "evaluated_devices" not in summary
+
+
+def test_a_diverged_personal_model_is_still_evaluated(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A device whose personal model diverged (NaN loss, as SpaFL's at lr 0.05 on Fashion-MNIST) still
+    reports its accuracy: the non-finite loss is left out, not the device (the wire refuses NaN, and
+    before this the client's handler failed and the evaluation task was dead-lettered)."""
+    from shared.algorithms.spafl import SpaFL
+
+    original = SpaFL.evaluate_device
+
+    def diverged(self: SpaFL, task: Any, device: Any) -> dict[str, float] | None:
+        result = original(self, task, device)
+        if result is not None and device.device_id == 0:
+            result["eval_loss"] = float("nan")
+        return result
+
+    monkeypatch.setattr(SpaFL, "evaluate_device", diverged)
+    cfg = load_config(_spafl(tmp_path, "nan"))
+    run = tmp_path / "run"
+    run.mkdir()
+    assert run_inproc(cfg, run, f"nan-{tmp_path.name}") == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["evaluated_devices"] == 8
+    assert summary.get("dead_lettered", 0) == 0, summary.get("dead_letter_reasons")
+    devices = {int(d["device_id"]): d for d in csv.DictReader((run / "devices.csv").open())}
+    assert 0.0 <= float(devices[0]["eval_accuracy"]) <= 1.0

@@ -548,7 +548,9 @@ class Client(ServiceBase):
         dev = msg.device_id
         task = TaskSpec(tensors, dict(msg.config))
         result = self.strategy.evaluate_device(task, self._context(dev, env.round))
-        body = EvalResult(device_id=dev, supported=result is not None, metrics=result or {})
+        # a diverged personal model (NaN loss) is still a result: its finite metrics are reported
+        metrics = self._finite_metrics(dev, result) if result is not None else {}
+        body = EvalResult(device_id=dev, supported=result is not None, metrics=metrics)
         self._notify(env, msg, body, Kind.EVAL_RESULT)
         d.ack()
 
