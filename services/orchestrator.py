@@ -782,21 +782,40 @@ def tidy_broker(
     n = names(experiment)
     listed = management_queues(url, experiment) or []
     queues = dict.fromkeys([n.server_queue, n.updates_queue, *known, *listed])
-    # (what, name, keyword arguments): a delete the broker refuses closes the channel (e.g. a
-    # non-empty dead-letter queue with if_empty), so each one that fails gets a fresh channel
-    deletes: list[tuple[str, str, dict[str, Any]]] = [("queue", q, {}) for q in queues]
-    deletes.append(("queue", n.dead_letter_queue, {"if_empty": keep_dead_letters}))
-    deletes += [("exchange", n.exchange, {}), ("exchange", n.dead_letter_exchange, {})]
+    # (what, name): a delete the broker refuses closes the channel, so each one that fails gets a
+    # fresh channel (and a fresh connection if the broker closed that too)
+    deletes: list[tuple[str, str]] = [("queue", q) for q in queues]
+    deletes += [("exchange", n.exchange), ("exchange", n.dead_letter_exchange)]
     conn = _connect(url)
     try:
         ch = conn.channel()
-        for what, name, kwargs in deletes:
+        if not (keep_dead_letters and _holds_messages(ch, n.dead_letter_queue)):
+            # not ``if_empty``: quorum queues refuse that flag (540 NOT_IMPLEMENTED, which closes the
+            # whole connection); the run is over, so nothing can dead-letter between count and delete
+            deletes.append(("queue", n.dead_letter_queue))
+        for what, name in deletes:
             try:
+                if not conn.is_open:
+                    conn = _connect(url)
+                if not ch.is_open:
+                    ch = conn.channel()
                 if what == "queue":
-                    ch.queue_delete(name, **kwargs)
+                    ch.queue_delete(name)
                 else:
                     ch.exchange_delete(name)
-            except pika.exceptions.ChannelClosedByBroker:
-                ch = conn.channel()
+            except (pika.exceptions.ChannelClosedByBroker, pika.exceptions.ConnectionClosedByBroker):
+                pass
     finally:
-        conn.close()
+        if conn.is_open:
+            conn.close()
+
+
+def _holds_messages(ch: Any, queue: str) -> bool:
+    """Whether ``queue`` exists and holds messages (a passive declare; a missing queue closes the
+    channel, so the caller's channel is replaced after a ``False`` from that path)."""
+    import pika.exceptions
+
+    try:
+        return int(ch.queue_declare(queue, passive=True).method.message_count) > 0
+    except pika.exceptions.ChannelClosedByBroker:
+        return False

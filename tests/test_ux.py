@@ -313,9 +313,17 @@ def test_an_in_process_run_records_its_dead_letters_too(
     assert "malformed" in capsys.readouterr().out
 
 
+@pytest.fixture(params=["classic", "quorum"])
+def queue_type(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both queue types: a quorum dead-letter queue refuses ``queue.delete`` with ``if-empty`` (and the
+    broker closes the connection over it), which once made every quorum run end in a traceback."""
+    monkeypatch.setenv("RABBITMQ_QUEUE_TYPE", request.param)
+    return str(request.param)
+
+
 @pytest.mark.broker
 def test_run_end_exports_dead_letters_keeps_them_and_removes_everything_else(
-    broker_url: str, experiment_id: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    broker_url: str, experiment_id: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], queue_type: str
 ) -> None:
     """The run-end clean-up against the real broker: the dead letters go to ``dead_letters.jsonl``
     (reason, kind, sender, size) and stay in their queue; every other queue goes, including a killed
@@ -380,7 +388,9 @@ def test_run_end_exports_dead_letters_keeps_them_and_removes_everything_else(
 
 
 @pytest.mark.broker
-def test_an_empty_dead_letter_queue_does_not_outlive_the_run(broker_url: str, experiment_id: str) -> None:
+def test_an_empty_dead_letter_queue_does_not_outlive_the_run(
+    broker_url: str, experiment_id: str, queue_type: str
+) -> None:
     from services.orchestrator import tidy_broker
     from shared.transport.amqp import AmqpTransport
 
