@@ -217,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         "",
     ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines))
+    # repo-relative paths only: the report is committed, and a reader's clone is not this machine's
+    args.out.write_text("\n".join(lines).replace(f"{REPO}/", ""))
     console.print(f"wrote {args.out}" + (f" ([red]failed: {', '.join(failed)}[/red])" if failed else ""))
     return 1 if failed else 0
 
