@@ -150,6 +150,32 @@ def test_a_changed_source_file_is_decoded_again(tmp_path: Path, monkeypatch: pyt
     assert before.y_train.any() and not after.y_train.any()
 
 
+def test_stale_cache_entries_are_pruned(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Entries whose sources changed or are gone (a test's temporary files, a deleted clone's venv)
+    can never be hit again: the next write removes them, so the cache does not grow without end."""
+    import shutil
+
+    from shared.data import encode_idx, load_dataset
+
+    monkeypatch.setenv("FEDFLEET_CACHE_DIR", str(tmp_path / "cache"))
+    entries = tmp_path / "cache" / "datasets"
+    changed = _idx_dataset(tmp_path / "changed")
+    gone = _idx_dataset(tmp_path / "gone")
+    kept = _idx_dataset(tmp_path / "kept")
+    for source in (changed, gone, kept):
+        load_dataset("fashion-mnist", source)
+    assert len(list(entries.iterdir())) == 3
+    (changed / "train-labels-idx1-ubyte").write_bytes(encode_idx(np.zeros(40, dtype=np.uint8)))
+    shutil.rmtree(gone)
+    (stray := entries / "fashion-mnist-from-an-older-version").mkdir()  # no sources file
+    load_dataset("fashion-mnist", changed)  # a new entry: the stale ones go
+    left = sorted(e.name for e in entries.iterdir())
+    assert len(left) == 2 and stray.name not in left
+    assert not load_dataset("fashion-mnist", changed).y_train.any()
+    assert load_dataset("fashion-mnist", kept).y_train.any()  # the live entry survived, still a hit
+    assert len(list(entries.iterdir())) == 2
+
+
 # -- partitions: the same indices, held compactly; hosted devices hold ids only --------------------
 @pytest.mark.parametrize("scheme", ["iid", "dirichlet", "classes", "shards"])
 def test_the_packed_partition_has_the_same_indices(scheme: str) -> None:

@@ -144,7 +144,7 @@ def load_dataset(name: str, path: str | Path | None = None, *, cache: bool = Tru
     if (hit := _open_cached(directory, key)) is not None:
         return hit
     ds = loaders[key](where)
-    _write_cached(directory, ds)
+    _write_cached(directory, ds, sources)
     return _open_cached(directory, key) or ds
 
 
@@ -152,7 +152,10 @@ def load_dataset(name: str, path: str | Path | None = None, *, cache: bool = Tru
 
 _ARRAYS = ("x_train", "y_train", "x_test", "y_test")
 #: bump when a loader's decoding changes, so that no process maps arrays an older version decoded
-_CACHE_VERSION = 1
+#: (2: an entry records its sources, so stale entries can be pruned)
+_CACHE_VERSION = 2
+#: in an entry: one line per source file, ``path<TAB>size<TAB>mtime_ns``, as it was when decoded
+_SOURCES_FILE = "sources.tsv"
 
 
 def _sources(key: str, path: Path | None) -> list[Path]:
@@ -171,14 +174,50 @@ def _sources(key: str, path: Path | None) -> list[Path]:
     return []
 
 
+def _fingerprint(src: Path) -> str:
+    st = src.stat()
+    return f"{src.resolve()}\t{st.st_size}\t{st.st_mtime_ns}"
+
+
 def _cache_entry(key: str, sources: list[Path]) -> Path:
     from shared.cache import cache_dir
 
     h = hashlib.sha256(f"{key}\0{_CACHE_VERSION}".encode())
     for src in sources:
-        st = src.stat()
-        h.update(f"\0{src.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+        h.update(f"\0{_fingerprint(src)}".encode())
     return cache_dir() / "datasets" / f"{key}-{h.hexdigest()[:24]}"
+
+
+def _is_stale(entry: Path) -> bool:
+    """An entry whose source files are gone or changed (a test's temporary files, a deleted clone's
+    venv, a replaced dataset) can never be hit again; one without a sources file is an older
+    version's. Both are derived data only."""
+    try:
+        lines = (entry / _SOURCES_FILE).read_text().splitlines()
+    except OSError:
+        return True
+    for line in lines:
+        path = Path(line.split("\t", 1)[0])
+        try:
+            if _fingerprint(path) != line:
+                return True
+        except OSError:
+            return True
+    return False
+
+
+def _prune(datasets_dir: Path) -> None:
+    """Remove stale entries, so the cache does not grow with every temporary dataset and clone.
+
+    Safe beside running processes: a process that has mapped an entry keeps its pages after the
+    files are unlinked; entries being written have a dot-name and are skipped."""
+    try:
+        entries = [e for e in datasets_dir.iterdir() if e.is_dir() and not e.name.startswith(".")]
+    except OSError:
+        return
+    for entry in entries:
+        if _is_stale(entry):
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def _open_cached(directory: Path, name: str) -> Dataset | None:
@@ -193,16 +232,20 @@ def _open_cached(directory: Path, name: str) -> Dataset | None:
         return None
 
 
-def _write_cached(directory: Path, ds: Dataset) -> None:
+def _write_cached(directory: Path, ds: Dataset, sources: list[Path]) -> None:
     """Write the decoded arrays to ``directory`` atomically (a rename of a complete directory), so
-    processes starting together never map a half-written file; failing to write is not an error."""
+    processes starting together never map a half-written file; failing to write is not an error.
+    Stale entries are pruned first (a new entry is written only when the sources changed or are
+    new, which is when an older one may have become stale)."""
     tmp: Path | None = None
     try:
+        _prune(directory.parent)
         directory.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))
         for a in _ARRAYS:
             np.save(tmp / f"{a}.npy", np.ascontiguousarray(getattr(ds, a)), allow_pickle=False)
         (tmp / "num_classes").write_text(str(ds.num_classes))
+        (tmp / _SOURCES_FILE).write_text("".join(f"{_fingerprint(src)}\n" for src in sources))
         os.rename(tmp, directory)
         tmp = None
     except OSError:
