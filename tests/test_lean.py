@@ -150,6 +150,23 @@ def test_a_changed_source_file_is_decoded_again(tmp_path: Path, monkeypatch: pyt
     assert before.y_train.any() and not after.y_train.any()
 
 
+def test_an_unwritable_cache_still_loads_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A cache that cannot be written is not an error (the dataset is decoded in memory), but the
+    user is told why every process now holds its own copy."""
+    from shared.data import load_dataset
+
+    source = _idx_dataset(tmp_path / "fmnist")
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")  # the cache directory cannot be created below a file
+    monkeypatch.setenv("FEDFLEET_CACHE_DIR", str(blocker / "cache"))
+    with caplog.at_level("WARNING", logger="shared.data.datasets"):
+        ds = load_dataset("fashion-mnist", source)
+    assert len(ds.y_train) == 40 and not isinstance(ds.x_train, np.memmap)
+    assert "not writable" in caplog.text and "FEDFLEET_CACHE_DIR" in caplog.text
+
+
 def test_stale_cache_entries_are_pruned(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Entries whose sources changed or are gone (a test's temporary files, a deleted clone's venv)
     can never be hit again: the next write removes them, so the cache does not grow without end."""

@@ -20,6 +20,7 @@ import gzip
 import hashlib
 import importlib.util
 import io
+import logging
 import os
 import pickle
 import shutil
@@ -36,6 +37,8 @@ import numpy as np
 from shared.data.errors import DatasetFormatError, DatasetUnavailable, UnsafePickleError
 from shared.data.idx import read_idx
 from shared.data.safe_pickle import safe_load
+
+log = logging.getLogger(__name__)
 
 #: canonical dataset names accepted by :func:`load_dataset`
 DATASET_NAMES: tuple[str, ...] = ("digits", "mnist", "fashion-mnist", "cifar10")
@@ -248,8 +251,14 @@ def _write_cached(directory: Path, ds: Dataset, sources: list[Path]) -> None:
         (tmp / _SOURCES_FILE).write_text("".join(f"{_fingerprint(src)}\n" for src in sources))
         os.rename(tmp, directory)
         tmp = None
-    except OSError:
-        pass  # another process renamed first (same content), or the cache is not writable
+    except OSError as err:
+        if not directory.is_dir():  # else another process renamed first: same content, nothing lost
+            log.warning(
+                "dataset cache %s not writable (%s): this process keeps its own decoded copy; set "
+                "FEDFLEET_CACHE_DIR to a writable directory to share one",
+                directory.parent,
+                err,
+            )
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
