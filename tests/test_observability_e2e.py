@@ -68,6 +68,13 @@ LINGER_S = 20
 #: needs two samples that differ); the broker's per-object endpoint, shared with everyone, at 1 s
 SCRAPE_INTERVAL = "200ms"
 BROKER_SCRAPE_INTERVAL = "1s"
+#: range queries are evaluated every 0.1 s, half the fedfleet scrape interval. Why: a scrape that fails
+#: (a 200 ms timeout is easily missed by a service busy training on a loaded 2-core CI machine) makes
+#: Prometheus mark every series of that target stale, so a sample is visible only until the next
+#: scrape. With Grafana-like 1 s steps a series whose good scrapes were all followed by failed ones
+#: showed no point at all (CI at 716b8d9: the server's accuracy, loss, participants and dropouts
+#: panels "without data" although test_prometheus_counts_equal_the_run_files read their final values)
+QUERY_STEP_S = 0.1
 RABBITMQ_METRICS_PORT = 15692
 ROUNDS = 5
 #: generous on purpose: no round needs its deadline (dropouts announce themselves in virtual time), and
@@ -144,7 +151,9 @@ class Prometheus:
         assert len(result) <= 1, f"{expr} returned {len(result)} series"
         return float(result[0]["value"][1]) if result else math.nan
 
-    def query_range(self, expr: str, start: float, end: float, step: float = 1.0) -> list[dict[str, Any]]:
+    def query_range(
+        self, expr: str, start: float, end: float, step: float = QUERY_STEP_S
+    ) -> list[dict[str, Any]]:
         return list(self.api("query_range", query=expr, start=start, end=end, step=step)["result"])
 
     def stop(self) -> None:
