@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from services.server.registry import DeviceRegistry
 from services.server.round import EvaluationState, RoundState
 from shared import metrics
 from shared.algorithms.device_state import atomic_savez
@@ -31,7 +32,7 @@ from shared.results import (
     write_rounds,
     write_summary,
 )
-from shared.schemas import DeviceInfo, MetricKey
+from shared.schemas import MetricKey
 
 #: device-reported metrics that have a column of their own in ``rounds.csv``
 _OWN_COLUMNS = {MetricKey.DENSITY, MetricKey.TRAIN_FLOPS, MetricKey.TRAIN_LOSS, MetricKey.EVAL_ACCURACY}
@@ -86,13 +87,12 @@ class RunLedger:
             st = self.devices[device] = DeviceStats(device)
         return st
 
-    def registered(self, registry: dict[int, DeviceInfo]) -> None:
-        """Refresh the per-tier gauge of registered devices."""
-        tiers: dict[str, int] = {}
-        for info in registry.values():
-            tiers[info.tier] = tiers.get(info.tier, 0) + 1
-            self.stats(info.device_id).tier = info.tier
-        for tier, n in tiers.items():
+    def registered(self, registry: DeviceRegistry) -> None:
+        """Refresh the per-tier gauge of registered devices. Tiers come from the registry's own
+        lookups: going through its values would make every device's ``DeviceInfo``."""
+        for device in registry:
+            self.stats(device).tier = registry.tier(device)
+        for tier, n in registry.tier_counts().items():
             metrics.REGISTERED_DEVICES.labels(self.experiment, tier).set(n)
 
     def selected(self, rs: RoundState) -> None:
