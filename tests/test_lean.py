@@ -395,7 +395,7 @@ def test_the_server_registry_makes_no_device_info_for_idle_devices(
     exp = _mobile_experiment(3000)
     server = Server(InprocTransport(InprocBroker(), "registry"), exp, tmp_path, experiment_id="registry")
     assert made == [] and len(server.registry) == 3000
-    assert server.ledger.devices[2999].tier == exp.fleet[2999].tier
+    assert server.ledger.devices == {} and server.ledger.stats(2999).tier == exp.fleet[2999].tier
     tasks = server.strategy.plan(server.state, 1, [3, 1500], server.registry)
     assert sorted(tasks) == [3, 1500] and len(made) <= 2
 
@@ -423,3 +423,31 @@ def test_the_registry_has_the_values_the_dict_had() -> None:
     assert registry.get(700) is None and -1 not in registry
     assert registry.tier_counts() == dict(Counter(info.tier for info in before.values()))
     assert [registry.tier(d) for d in registry] == [info.tier for info in before.values()]
+
+
+def test_the_ledger_writes_every_registered_device_but_holds_only_touched_ones(tmp_path: Path) -> None:
+    """``devices.csv`` and the per-tier summary still list every registered device (untouched ones
+    with zeros), while the ledger keeps statistics only for devices something happened to."""
+    import csv
+    from collections import Counter
+
+    from services.server.service import Server
+    from shared.transport.inproc import InprocBroker, InprocTransport
+
+    exp = _mobile_experiment(500)
+    server = Server(InprocTransport(InprocBroker(), "ledger"), exp, tmp_path, experiment_id="ledger")
+    ledger = server.ledger
+    ledger.stats(7).selected += 1
+    ledger.task_sent(7, 1000)
+    assert sorted(ledger.devices) == [7]
+    ledger.write(tmp_path, {}, {"w": np.zeros(2)}, None, "t")
+    with (tmp_path / "devices.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["device_id"]) for r in rows] == list(range(500))
+    assert [r["tier"] for r in rows] == [exp.fleet[d].tier for d in range(500)]
+    assert rows[7]["selected"] == "1" and rows[7]["bytes_down"] == "1000" and rows[8]["selected"] == "0"
+    tiers = json.loads((tmp_path / "summary.json").read_text())["tiers"]
+    assert {t: v["devices"] for t, v in tiers.items()} == dict(Counter(exp.fleet[d].tier for d in range(500)))
+    assert sum(v["selected"] for v in tiers.values()) == 1
+    assert sum(v["bytes_down"] for v in tiers.values()) == 1000
+    assert list(ledger.devices) == [7]  # writing made the others' rows, not their objects
