@@ -58,6 +58,7 @@ def test_every_setting_is_listed_under_its_variable_with_default_and_meaning() -
             "amqp://a:b@x:1/v;amqp://a:b@y:1/v",
         ),
         ("RABBITMQ_QUEUE_TYPE", "rabbitmq_queue_type", "quorum", "quorum"),
+        ("RABBITMQ_QUEUE_MODE", "rabbitmq_queue_mode", "default", "default"),
         ("FEDFLEET_RECONNECT_BUDGET_S", "reconnect_budget_s", "7.5", 7.5),
         ("FEDFLEET_RECONNECT_BACKOFF_S", "reconnect_backoff_s", "0.5", 0.5),
         ("FEDFLEET_RECONNECT_BACKOFF_MAX_S", "reconnect_backoff_max_s", "2", 2.0),

@@ -362,3 +362,92 @@ def test_held_updates_wait_on_disk_and_go_out_unchanged(
     assert len(set(uploaded)) == len(uploaded)  # each once
     for client in cluster.clients:  # nothing left behind: sent, discarded, or dropped at the stop
         assert not client.held and not any(client.held_dir.glob("*"))
+
+
+# -- the server's registry: views made on access ----------------------------------------------------
+def _mobile_experiment(devices: int) -> Experiment:
+    from shared.config import parse_config
+
+    raw = load_config(QUICKSTART).model_dump(mode="json")
+    raw["fleet"] = {"preset": "mobile"}
+    raw["num_devices"] = devices
+    raw["dataset"] = {**raw["dataset"], "partition": "sampled", "samples_per_device": 6}
+    return Experiment.build(parse_config(raw))
+
+
+def test_the_server_registry_makes_no_device_info_for_idle_devices(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dict of ``DeviceInfo`` cost ~1.5 KB per registered device in the server (150 MiB at 100,000)
+    and made every lazy profile; the registry makes one only when a device is looked up."""
+    from services.server.service import Server
+    from shared.schemas import DeviceInfo
+    from shared.transport.inproc import InprocBroker, InprocTransport
+
+    made: list[int] = []
+    init = DeviceInfo.__init__
+
+    def counting(self: DeviceInfo, **data: object) -> None:
+        made.append(int(data["device_id"]))  # type: ignore[call-overload]
+        init(self, **data)
+
+    monkeypatch.setattr(DeviceInfo, "__init__", counting)
+    exp = _mobile_experiment(3000)
+    server = Server(InprocTransport(InprocBroker(), "registry"), exp, tmp_path, experiment_id="registry")
+    assert made == [] and len(server.registry) == 3000
+    assert server.ledger.devices == {} and server.ledger.stats(2999).tier == exp.fleet[2999].tier
+    tasks = server.strategy.plan(server.state, 1, [3, 1500], server.registry)
+    assert sorted(tasks) == [3, 1500] and len(made) <= 2
+
+
+def test_the_registry_has_the_values_the_dict_had() -> None:
+    """Equal ``DeviceInfo`` values, in id order, to the dict the server built before (the same plans)."""
+    from collections import Counter
+
+    from services.server.service import Server
+    from shared.schemas import DeviceInfo
+
+    exp = _mobile_experiment(700)
+    registry = Server._device_infos(exp)
+    before = {
+        d.device_id: DeviceInfo(
+            device_id=d.device_id,
+            tier=d.tier,
+            num_samples=len(exp.partitions[d.device_id]),
+            profile=d.profile.model_dump(mode="json"),
+        )
+        for d in exp.fleet
+    }
+    assert list(registry) == list(before) and dict(registry) == before
+    assert registry[np.int64(5)] == before[5]  # type: ignore[index]
+    assert registry.get(700) is None and -1 not in registry
+    assert registry.tier_counts() == dict(Counter(info.tier for info in before.values()))
+    assert [registry.tier(d) for d in registry] == [info.tier for info in before.values()]
+
+
+def test_the_ledger_writes_every_registered_device_but_holds_only_touched_ones(tmp_path: Path) -> None:
+    """``devices.csv`` and the per-tier summary still list every registered device (untouched ones
+    with zeros), while the ledger keeps statistics only for devices something happened to."""
+    import csv
+    from collections import Counter
+
+    from services.server.service import Server
+    from shared.transport.inproc import InprocBroker, InprocTransport
+
+    exp = _mobile_experiment(500)
+    server = Server(InprocTransport(InprocBroker(), "ledger"), exp, tmp_path, experiment_id="ledger")
+    ledger = server.ledger
+    ledger.stats(7).selected += 1
+    ledger.task_sent(7, 1000)
+    assert sorted(ledger.devices) == [7]
+    ledger.write(tmp_path, {}, {"w": np.zeros(2)}, None, "t")
+    with (tmp_path / "devices.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["device_id"]) for r in rows] == list(range(500))
+    assert [r["tier"] for r in rows] == [exp.fleet[d].tier for d in range(500)]
+    assert rows[7]["selected"] == "1" and rows[7]["bytes_down"] == "1000" and rows[8]["selected"] == "0"
+    tiers = json.loads((tmp_path / "summary.json").read_text())["tiers"]
+    assert {t: v["devices"] for t, v in tiers.items()} == dict(Counter(exp.fleet[d].tier for d in range(500)))
+    assert sum(v["selected"] for v in tiers.values()) == 1
+    assert sum(v["bytes_down"] for v in tiers.values()) == 1000
+    assert list(ledger.devices) == [7]  # writing made the others' rows, not their objects

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from services.server.registry import DeviceRegistry
 from services.server.round import EvaluationState, RoundState
 from shared import metrics
 from shared.algorithms.device_state import atomic_savez
@@ -31,7 +32,7 @@ from shared.results import (
     write_rounds,
     write_summary,
 )
-from shared.schemas import DeviceInfo, MetricKey
+from shared.schemas import MetricKey
 
 #: device-reported metrics that have a column of their own in ``rounds.csv``
 _OWN_COLUMNS = {MetricKey.DENSITY, MetricKey.TRAIN_FLOPS, MetricKey.TRAIN_LOSS, MetricKey.EVAL_ACCURACY}
@@ -60,6 +61,9 @@ class RoundOutcome:
 class RunLedger:
     experiment: str
     algorithm: str
+    #: the statistics of every device that has been selected, evaluated or restored; a registered
+    #: device never touched has none here (all its counters are 0): at 100,000 registered devices
+    #: one object each cost the server ~30 MiB. ``all_devices`` makes the full list when written.
     devices: dict[int, DeviceStats] = field(default_factory=dict)
     rows: list[dict[str, Any]] = field(default_factory=list)
     totals: dict[str, int] = field(
@@ -74,6 +78,8 @@ class RunLedger:
     #: wall seconds spent before a resume
     wall_offset: float = 0.0
     started: float = field(default_factory=time.time)
+    #: the server's registry (``registered``): tiers and the registered devices, for untouched ones
+    _registry: DeviceRegistry | None = field(default=None, repr=False)
 
     @property
     def labels(self) -> tuple[str, str]:
@@ -83,16 +89,37 @@ class RunLedger:
     def stats(self, device: int) -> DeviceStats:
         st = self.devices.get(device)
         if st is None:
-            st = self.devices[device] = DeviceStats(device)
+            st = self.devices[device] = self._fresh(device)
         return st
 
-    def registered(self, registry: dict[int, DeviceInfo]) -> None:
-        """Refresh the per-tier gauge of registered devices."""
-        tiers: dict[str, int] = {}
-        for info in registry.values():
-            tiers[info.tier] = tiers.get(info.tier, 0) + 1
-            self.stats(info.device_id).tier = info.tier
-        for tier, n in tiers.items():
+    def _fresh(self, device: int) -> DeviceStats:
+        """A device's statistics before anything happened to it (its tier from the registry)."""
+        registry = self._registry
+        return (
+            DeviceStats(device, tier=registry.tier(device))
+            if registry is not None and device in registry
+            else DeviceStats(device)
+        )
+
+    def all_devices(self) -> list[DeviceStats]:
+        """Every registered device's statistics, in id order (untouched ones made, not kept), then
+        any others recorded (devices restored from a checkpoint of a larger fleet)."""
+        if self._registry is None:
+            return sorted(self.devices.values(), key=lambda st: st.device_id)
+        out = [self.devices.get(d) or self._fresh(d) for d in self._registry]
+        return out + sorted(
+            (st for d, st in self.devices.items() if d not in self._registry), key=lambda st: st.device_id
+        )
+
+    def registered(self, registry: DeviceRegistry) -> None:
+        """Refresh the per-tier gauge of registered devices. Tiers come from the registry's own
+        lookups (going through its values would make every device's ``DeviceInfo``), and a device's
+        statistics are made when something happens to it, not here."""
+        self._registry = registry
+        for device, st in self.devices.items():
+            if device in registry:
+                st.tier = registry.tier(device)
+        for tier, n in registry.tier_counts().items():
             metrics.REGISTERED_DEVICES.labels(self.experiment, tier).set(n)
 
     def selected(self, rs: RoundState) -> None:
@@ -208,9 +235,15 @@ class RunLedger:
     def summary(self, meta: dict[str, Any], evaluation: EvaluationState | None) -> dict[str, Any]:
         accs = [r["accuracy"] for r in self.rows if r.get("accuracy") is not None]
         tiers: dict[str, dict[str, float]] = {}
+        if self._registry is not None:  # untouched devices count, with zeros, in their tier
+            for tier, n in self._registry.tier_counts().items():
+                tiers[tier] = dict.fromkeys(("devices", *_PER_DEVICE), 0)
+                tiers[tier]["devices"] = n
         for st in self.devices.values():
-            t = tiers.setdefault(st.tier, dict.fromkeys(("devices", *_PER_DEVICE), 0))
-            t["devices"] += 1
+            t = tiers.get(st.tier)
+            if t is None or self._registry is None or st.device_id not in self._registry:
+                t = tiers.setdefault(st.tier, dict.fromkeys(("devices", *_PER_DEVICE), 0))
+                t["devices"] += 1
             for k in _PER_DEVICE:
                 t[k] += getattr(st, k)
         return {
@@ -246,7 +279,7 @@ class RunLedger:
                 if result.supported and MetricKey.EVAL_ACCURACY in result.metrics:
                     self.stats(dev).eval_accuracy = result.metrics[MetricKey.EVAL_ACCURACY]
         write_rounds(run_dir, self.rows)
-        write_devices(run_dir, list(self.devices.values()))
+        write_devices(run_dir, self.all_devices())
         write_summary(run_dir, self.summary(meta, evaluation))
         atomic_savez(run_dir / "global_model.npz", arrays)
         plot_run(run_dir, self.rows, title)

@@ -44,6 +44,7 @@ from services.common import MessageHandler, ServiceBase, decode_tensors
 from services.server import checkpoint, fanout
 from services.server.leases import Leases
 from services.server.ledger import RoundOutcome, RunLedger
+from services.server.registry import DeviceRegistry
 from services.server.round import EvaluationState, Phase, RepeatPolicy, RoundState
 from shared import metrics
 from shared.algorithms.base import Partial, ServerState, TaskSpec, derive_seed
@@ -53,7 +54,6 @@ from shared.experiment import Experiment
 from shared.provision import BrokerAdmin, ProvisionError, new_host
 from shared.schemas import Decision as DecisionMsg
 from shared.schemas import (
-    DeviceInfo,
     DeviceState,
     Envelope,
     EvalResult,
@@ -117,8 +117,8 @@ class Server(ServiceBase):
         self.run_dir = run_dir
         self.flush_timeout_s = flush_timeout_s
         self.incarnation = uuid.uuid4().hex[:8]  # 32 random bits: tells this start from any other
-        #: every device of the fleet, as strategies plan for it (tier, samples, profile)
-        self.registry: dict[int, DeviceInfo] = self._device_infos(exp)
+        #: every device of the fleet, as strategies plan for it (tier, samples, profile), made on access
+        self.registry: DeviceRegistry = self._device_infos(exp)
         self.leases = Leases(
             cfg.num_devices,
             self._host_need(exp),
@@ -208,17 +208,10 @@ class Server(ServiceBase):
 
     # -- handlers --------------------------------------------------------------------------------
     @staticmethod
-    def _device_infos(exp: Experiment) -> dict[int, DeviceInfo]:
-        """What every device is, from the experiment every process builds identically."""
-        return {
-            d.device_id: DeviceInfo(
-                device_id=d.device_id,
-                tier=d.tier,
-                num_samples=len(exp.partitions[d.device_id]),
-                profile=d.profile.model_dump(mode="json"),
-            )
-            for d in exp.fleet
-        }
+    def _device_infos(exp: Experiment) -> DeviceRegistry:
+        """What every device is, from the experiment every process builds identically: a view that
+        makes a device's ``DeviceInfo`` when asked, holding none for idle devices (issue 16)."""
+        return DeviceRegistry(exp.fleet, exp.partitions)
 
     @staticmethod
     def _host_need(exp: Experiment) -> dict[int, int]:

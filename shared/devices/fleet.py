@@ -524,6 +524,17 @@ class LazyFleet(Sequence[Device]):
         for d in range(len(self)):
             yield self[d]
 
+    def tier(self, device: int) -> str:
+        """The device's tier name, without making its profile (the server's registry asks it of every
+        registered device at start; making 100,000 profiles for that took seconds)."""
+        return self._names[int(self._labels[device])]
+
+    def tier_counts(self) -> dict[str, int]:
+        """Devices per tier, tiers in order of their first device (as counting ``self`` in id order)."""
+        names, first, counts = np.unique(self._labels, return_index=True, return_counts=True)
+        order = np.argsort(first, kind="stable")
+        return {self._names[int(names[i])]: int(counts[i]) for i in order}
+
 
 # --------------------------------------------------------------------------------------------------
 # Trace files

@@ -25,6 +25,11 @@ Reliability choices, each because a service relies on it:
 * ``RABBITMQ_QUEUE_TYPE`` gives every queue declared here the same type (``quorum`` replicates it
   over a cluster's nodes); the dead-letter queue included, since dead letters must not be lost with
   one node;
+* ``RABBITMQ_QUEUE_MODE=lazy`` (the default) declares every classic queue lazy: the broker writes a
+  message's body to disk on arrival and keeps none in RAM, so a round's backlog of updates (at 10,000
+  devices ~870 updates of ~437 KB waited in the updates queue, 364 MiB of the broker's ~700 MiB) costs
+  the broker disk, not memory (docs/broker.md, "What the broker holds"); quorum queues take no mode
+  (RabbitMQ refuses it on them);
 * a publish the broker NACKs (a quorum queue electing a new leader does so for a fraction of a
   second) or whose channel it closes is sent again on a fresh channel, a bounded number of times and
   counted (``fedfleet_broker_publish_retries_total``); it never reaches a handler as its error;
@@ -78,6 +83,7 @@ _CONNECTION_ERRORS = (
 _PERMANENT = (403, 406)
 
 QueueType = Literal["classic", "quorum"]
+QueueMode = Literal["default", "lazy"]
 
 
 class _PublishRefused(Exception):
@@ -89,6 +95,7 @@ class BrokerOptions:
     """How a transport uses the broker; the defaults are the settings' (``shared.config.Settings``)."""
 
     queue_type: QueueType = "classic"
+    queue_mode: QueueMode = "lazy"
     reconnect_budget_s: float = 120.0
     backoff_s: float = 0.25
     backoff_max_s: float = 5.0
@@ -103,6 +110,7 @@ class BrokerOptions:
         s = Settings()
         return cls(
             queue_type=s.rabbitmq_queue_type,
+            queue_mode=s.rabbitmq_queue_mode,
             reconnect_budget_s=s.reconnect_budget_s,
             backoff_s=s.reconnect_backoff_s,
             backoff_max_s=s.reconnect_backoff_max_s,
@@ -111,17 +119,26 @@ class BrokerOptions:
 
 
 def queue_arguments(
-    queue_type: QueueType, dead_letter_exchange: str | None, expires_s: float | None
+    queue_type: QueueType,
+    dead_letter_exchange: str | None,
+    expires_s: float | None,
+    queue_mode: QueueMode = "default",
 ) -> dict[str, Any]:
     """The ``queue.declare`` arguments of a fedfleet queue.
 
     A classic queue is declared without ``x-queue-type`` (as before the setting existed, so queues
     of a running deployment keep their declaration); a quorum queue carries it on every declaration.
     Both take ``x-expires`` (the session queues of hosts and aggregators) and a dead-letter exchange.
+    ``queue_mode="lazy"`` adds ``x-queue-mode: lazy`` to a classic queue (bodies to disk on arrival,
+    none kept in RAM). A quorum queue refuses that argument (406), so it gets none: it keeps recent
+    log entries in the broker's memory until its write-ahead log rolls over, whatever the mode
+    (docs/broker.md, "What the broker holds").
     """
     args: dict[str, Any] = {}
     if queue_type == "quorum":
         args["x-queue-type"] = "quorum"
+    elif queue_mode == "lazy":
+        args["x-queue-mode"] = "lazy"
     if dead_letter_exchange is not None:
         args["x-dead-letter-exchange"] = dead_letter_exchange
     if expires_s is not None:
@@ -217,7 +234,7 @@ class AmqpTransport(Transport):
             self._start_consumer(queue, handler, prefetch)
 
     def _declare_dead_letter_queue(self, ch: BlockingChannel) -> None:
-        args = queue_arguments(self.options.queue_type, None, None)
+        args = queue_arguments(self.options.queue_type, None, None, self.options.queue_mode)
         ch.queue_declare(self.names.dead_letter_queue, durable=True, arguments=args or None)
         ch.queue_bind(self.names.dead_letter_queue, self.names.dead_letter_exchange)
 
@@ -346,7 +363,10 @@ class AmqpTransport(Transport):
     # -- topology --------------------------------------------------------------------------------
     def _declare(self, queue: str, keys: Sequence[str]) -> None:
         args = queue_arguments(
-            self.options.queue_type, self.names.dead_letter_exchange, self._expires.get(queue)
+            self.options.queue_type,
+            self.names.dead_letter_exchange,
+            self._expires.get(queue),
+            self.options.queue_mode,
         )
         self.channel.queue_declare(queue, durable=True, arguments=args)
         for key in keys:
