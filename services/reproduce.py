@@ -172,6 +172,13 @@ REPRODUCTIONS: dict[str, Reproduction] = {
                 ),
                 configs=("experiments/spafl_fashion.yaml",),
             ),
+            # check 5 (the paper's Table 1): weights frozen at w(0), only τ learns; digits MLP
+            Block(
+                "spafl-results-thresholds",
+                "benchmarks/spafl_experiment.py",
+                ("--alphas", "0.001", "--variants", "SpaFL thresholds only"),
+                configs=("experiments/spafl_digits.yaml",),
+            ),
         ),
         baselines=("local",),
     ),
