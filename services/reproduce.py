@@ -734,9 +734,12 @@ def _inference_table(grid: Grid, run_dir: Path, seed: int) -> list[str]:
     """Hermes' check 6 on the run's device-0 compacted model: the benchmark's own timing (1 thread,
     dense and compacted timed alternately, minimum of 9 repetitions), so digits and Fashion-MNIST
     are measured by one procedure."""
-    from benchmarks.hermes_experiment import _latency
+    import importlib
 
-    lat = _latency(run_dir, seed)
+    # imported by name: mypy checks benchmarks/ as top-level scripts, and a static import would make
+    # it see the file under two module names
+    bench = importlib.import_module("benchmarks.hermes_experiment")
+    lat: dict[str, float] = bench._latency(run_dir, seed)
     b1d, b1c = lat["latency_dense_us_b1"], lat["latency_compact_us_b1"]
     bnd, bnc = lat["latency_dense_us_b256"], lat["latency_compact_us_b256"]
     return [
