@@ -179,3 +179,34 @@ def test_grid_variant_overrides_change_only_existing_keys() -> None:
     typo = rp.Variant("typo", "embracingfl", overrides=(("fleet.tiers.weak.memory_fractoin", 0.3),))
     with pytest.raises(KeyError, match="memory_fractoin"):
         rp._variant_config(grid, typo, 0, None)
+
+
+def test_grid_byte_range_checks_use_their_key_and_both_bounds() -> None:
+    """Hermes' check 3 is a range ([0.45, 0.65]) in the paper's accounting, not a wire-byte bound."""
+    res = {
+        "r0.3": [{"bytes": 90.0, "paper_bytes": 50.0}, {"bytes": 90.0, "paper_bytes": 60.0}],
+        "r0.8": [{"bytes": 100.0, "paper_bytes": 100.0}, {"bytes": 100.0, "paper_bytes": 100.0}],
+    }
+    in_range = rp.Check("3", "r0.3", "r0.8", max_ratio=0.65, min_ratio=0.45, ratio_key="paper_bytes")
+    measured, ok = rp.verdict(in_range, res, "personal")
+    assert ok and measured.startswith("0.550 (0.500 / 0.600) × the paper-accounted bytes")
+    too_low = rp.Check("3", "r0.3", "r0.8", max_ratio=0.65, min_ratio=0.56, ratio_key="paper_bytes")
+    assert not rp.verdict(too_low, res, "personal")[1], "below the range's lower bound"
+    assert not rp.verdict(rp.Check("3", "r0.3", "r0.8", max_ratio=0.65, min_ratio=0.45), res, "personal")[
+        1
+    ], "the wire bytes (0.9) are outside the range: the key must matter"
+
+
+def test_a_grid_variant_can_start_from_its_own_config() -> None:
+    """FedMef's batch-1 check compares against FedTiny *with BN*, the model of FedTiny's own config."""
+    grid = rp.GRIDS["fedmef-batch1"]
+    by_label = {v.label: v for v in grid.variants}
+    tiny = rp._variant_config(grid, by_label["fedtiny-b1"], 1, None)
+    mef = rp._variant_config(grid, by_label["fedmef-b1"], 1, None)
+    assert tiny["model"]["options"]["batch_norm"] is True and mef["model"]["options"]["batch_norm"] is False
+    assert tiny["train"]["batch_size"] == mef["train"]["batch_size"] == 1
+    assert (
+        tiny["algorithm"]["name"] == "fedtiny" and "activation_sparsity" not in tiny["algorithm"]["options"]
+    )
+    assert mef["algorithm"]["options"]["activation_sparsity"] == 0.9, "FedMef keeps its config's options"
+    assert tiny["train"]["lr"] == mef["train"]["lr"] == 0.3

@@ -246,6 +246,24 @@ def test_regulariser_pushes_thresholds_up(tmp_path: Path) -> None:
     assert means[2] > 0.0
 
 
+def test_thresholds_only_learning_keeps_w0_and_trains_tau(tmp_path: Path) -> None:
+    """Spec §8 check 5 (the paper's Table 1): with ``train_weights: false`` a device's weights stay at
+    w(0) through local training and eq. 13 (a round-2 task carries a non-zero Δτ), only τ_k moves."""
+    exp = _experiment(
+        tmp_path, algorithm={"name": "spafl", "options": {"alpha": 0.01, "train_weights": False}}
+    )
+    s = exp.strategy
+    assert isinstance(s, SpaFL)
+    w0 = {k: v.detach().clone() for k, v in s.build_model().state_dict().items() if not k.endswith("tau")}
+    root = tmp_path / "st"
+    _fl_rounds(exp, root, 2, [0, 1])
+    model = s.personal_model(root / "device-0")
+    after = model.state_dict()
+    assert w0 and all(torch.equal(after[k], v) for k, v in w0.items()), "a weight moved"
+    taus = [after[k] for k in after if k.endswith("tau")]
+    assert taus and any(bool(torch.any(t != 0)) for t in taus), "τ did not train"
+
+
 # -- protocol: payloads, aggregation, state -----------------------------------------------------
 def test_payloads_are_threshold_vectors_only(tmp_path: Path) -> None:
     exp = _experiment(tmp_path)

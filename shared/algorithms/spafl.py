@@ -101,6 +101,11 @@ class SpaFLOptions(BaseModel):
     reset_density: float | None = Field(0.01, ge=0.0, lt=1.0)
     #: qualified names of linear/conv layers to leave unmasked (e.g. ResNet-18's final ``fc``)
     unmasked_layers: tuple[str, ...] = ()
+    #: False: the paper's Table 1 ablation (spec §8 check 5, *thresholds-only learning*) — the weights
+    #: stay at w(0) on every device and only τ_k trains (and travels, as always); eq. 13 is skipped
+    #: because it is a step on the weights. The FLOP counts still include the weight gradients: the
+    #: ablation is about what τ alone can learn, not about its cost
+    train_weights: bool = True
 
 
 @dataclass(frozen=True)
@@ -398,7 +403,7 @@ class SpaFL(Strategy):
         if glob is None:
             raise codec.CodecError("tensor", "a SpaFL task must carry the global thresholds tau/*")
         applied = False
-        if self.opts.importance_update:
+        if self.opts.importance_update and self.opts.train_weights:
             delta = (
                 self._received(task, DTAU)
                 if self.opts.delta_source == "server"
@@ -443,6 +448,9 @@ class SpaFL(Strategy):
             device.seed,
             penalty=penalty if alpha > 0 else None,
             after_step=after_step,
+            # thresholds-only learning: the optimiser holds τ alone, so w(0) cannot move (momentum and
+            # weight decay included)
+            params=None if opts.train_weights else [m.tau for m in layers],
         )
         if opts.reset_density is not None:
             # The in-loop guard judges the mask of the forward pass *before* each step, so the last
