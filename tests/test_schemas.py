@@ -29,6 +29,7 @@ from shared.schemas import (
     encode,
     exp_tag,
     message_parts,
+    new_incarnation,
     task_key,
     transcode,
     verify,
@@ -248,6 +249,21 @@ def test_bytes_after_a_body_that_no_tensor_set_takes_are_refused() -> None:
         with pytest.raises(DecodeError) as err:
             decode(codec.packb([*raw[:6], body, *raw[7:]]), max_bytes=LIMIT)
         assert err.value.reason == "tensor"
+
+
+def test_every_incarnation_of_a_server_packs_in_the_same_bytes() -> None:
+    """Version 5 sends a 4-byte incarnation as an int; the server's always have their top bit set, so
+    a message's size does not depend on which start of the server sent it (a resumed run, or the
+    same run in one process and over RabbitMQ, count the same bytes)."""
+    sizes = set()
+    for _ in range(200):
+        inc = new_incarnation()
+        data = encode(Kind.FLUSH, Flush(), exp="e", round=1, sender="", inc=inc)
+        assert decode(data, max_bytes=LIMIT)[0].inc == inc
+        sizes.add(len(data))
+    assert len(sizes) == 1
+    small = encode(Kind.FLUSH, Flush(), exp="e", round=1, sender="", inc="00000001")
+    assert len(small) < min(sizes)  # what the top bit is there for: a small int packs shorter
 
 
 def test_a_newer_version_is_refused_with_a_reason() -> None:

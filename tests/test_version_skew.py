@@ -1,7 +1,7 @@
 """Version skew: a client host of the previous build (schema version 4) in a run of this one (5).
 
 The previous build is taken from this repository's own history (:data:`OLD_BUILD`, the last commit
-that wrote version 3) with ``git archive`` and run with this venv: it needs the same packages. What
+that wrote version 4) with ``git archive`` and run with this venv: it needs the same packages. What
 is checked (docs/wire.md, "Versions on the wire"):
 
 * every message a server sends a host, written in version 4 here, is read by the old build's own
@@ -10,7 +10,7 @@ is checked (docs/wire.md, "Versions on the wire"):
 * over RabbitMQ, with real processes: this build's server and aggregator, a client host of this
   build and one of the old build. Every round completes, the old host's devices take part in each
   (their updates merged), the model equals the same experiment's run in one process of this build,
-  and nothing is dead-lettered for ``schema`` — except a version 5 message the test sends the
+  and nothing is dead-lettered for ``schema`` — except a version 6 message the test sends the
   server, which is dead-lettered with "upgrade this service".
 
 Outside a git checkout (a source tarball) the old build cannot be made: the tests skip, or fail
