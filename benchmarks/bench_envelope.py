@@ -11,7 +11,8 @@ catches every message the services publish, and reports for each (algorithm, kin
 
 * ``info`` — the tensors' information: the raw buffers (dense data; mask + values; indices + values;
   per-axis indices + values), what no encoding can avoid; for a task also its config (the device's
-  own instructions, e.g. EmbracingFL's split point), as msgpack;
+  own instructions, e.g. EmbracingFL's split point), as msgpack (``shared.schemas.information_bytes``,
+  so the contract suite's budget test counts the same);
 * ``overhead`` — everything else in the message as it crossed the broker, minus ``telemetry``;
 * ``telemetry`` — metrics and timings a device reports with its update (counted under their own
   name, not as the device's upload).
@@ -37,38 +38,21 @@ if str(ROOT) not in sys.path:
 
 from services.orchestrator import InprocCluster  # noqa: E402
 from shared import algorithms  # noqa: E402
-from shared.codec import packb  # noqa: E402
 from shared.codec.tensorset import LayoutCache  # noqa: E402
 from shared.config import ExperimentConfig, load_config  # noqa: E402
 from shared.experiment import Experiment  # noqa: E402
-from shared.schemas import RoundOpen, Task, decode, message_parts  # noqa: E402
+from shared.schemas import (  # noqa: E402
+    DEVICE_ENVELOPE_BUDGET,
+    RoundOpen,
+    decode,
+    information_bytes,
+    message_parts,
+)
 from shared.transport import Transport  # noqa: E402
 from tests.test_contract import contract_config  # noqa: E402
 
 #: the kinds a device sends or receives over its own emulated link
 DEVICE_KINDS = ("task", "update")
-
-
-def _buffers(obj: Any) -> Iterator[int]:
-    """Lengths of every raw buffer inside an encoded tensor (codec layout v1)."""
-    if isinstance(obj, bytes | bytearray | memoryview):
-        yield len(obj)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _buffers(v)
-    elif isinstance(obj, list | tuple):
-        for v in obj:
-            yield from _buffers(v)
-
-
-def info_bytes(body: Any) -> int:
-    """The information in a decoded body: its tensors' raw buffers, and a task's config (the
-    device's own instructions — which layers to train, its sub-model; packed as msgpack)."""
-    tensors = getattr(body, "tensors", None) or {}
-    total = sum(sum(_buffers(t)) for t in tensors.values())
-    if isinstance(body, Task) and body.config:
-        total += len(packb(body.config))
-    return total
 
 
 class Sizes:
@@ -84,7 +68,7 @@ class Sizes:
         for layout in [*env.layouts, *(body.layouts if isinstance(body, RoundOpen) else [])]:
             self.layouts.learn(layout)
         telemetry = message_parts(data).telemetry_bytes
-        self.rows[(algorithm, env.kind.value)].append((len(data), info_bytes(body), telemetry))
+        self.rows[(algorithm, env.kind.value)].append((len(data), information_bytes(body), telemetry))
 
 
 def _tapping(make: Callable[[str], Transport], sizes: Sizes, algorithm: str) -> Callable[[str], Transport]:
@@ -170,7 +154,8 @@ def verdicts(sizes: Sizes) -> str:
     fedavg_over = max(t - i - tel for t, i, tel in fedavg) if fedavg else -1
     return "\n".join(
         [
-            f"- worst overhead of a device message (task, update): **{worst} B** (target ≤ 64 B)",
+            f"- worst overhead of a device message (task, update): **{worst} B** "
+            f"(target ≤ {DEVICE_ENVELOPE_BUDGET} B)",
             f"- SpaFL update / its thresholds (`experiments/spafl_digits.yaml`): **{spafl_ratio:.3f}x** "
             "(target ≤ 1.1x)",
             f"- FedAvg update beyond its dense model (`experiments/quickstart.yaml`): **{fedavg_over} B** "

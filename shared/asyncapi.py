@@ -67,10 +67,11 @@ def _schemas() -> dict[str, Any]:
     env = defs["Envelope"]
     env["description"] = (
         f"Every message (schema version {SCHEMA_VERSION}). On the wire it is a msgpack ARRAY of these "
-        "fields in this order: v, kind (integer code, see x-fedfleet-kind-codes), exp_tag, inc (bytes), "
-        "round, sender, body (msgpack bytes: the body model's fields as an array in declaration "
-        "order, trailing defaults left out), mac, telemetry; trailing empty fields left out. `exp` and "
-        "`layouts` are not sent. See docs/wire.md."
+        "fields in this order: v, kind (integer code, see x-fedfleet-kind-codes), exp_tag, inc (bytes; "
+        "a 4-byte one as an unsigned int), round, sender, body (bytes: the body model's fields as a "
+        "msgpack array in declaration order, trailing defaults left out, a `tensors` field as "
+        "[head, *counts] of its tensor set, whose blob follows the array raw), mac, telemetry; "
+        "trailing empty fields left out. `exp` and `layouts` are not sent. See docs/wire.md."
     )
     env["x-fedfleet-kind-codes"] = {k.value: KIND_CODES[k] for k in Kind}
     return dict(sorted(defs.items()))

@@ -41,7 +41,15 @@ from shared.codec.tensorset import LayoutCache
 from shared.config import ExperimentConfig, parse_config
 from shared.devices import admit
 from shared.experiment import Experiment
-from shared.schemas import Kind, RoundOpen, Task, decode, device_bytes
+from shared.schemas import (
+    DEVICE_ENVELOPE_BUDGET,
+    Kind,
+    RoundOpen,
+    Task,
+    decode,
+    device_bytes,
+    information_bytes,
+)
 from shared.transport import Transport
 
 ALGORITHMS = sorted(algorithms.REGISTRY)
@@ -97,6 +105,9 @@ class Observed:
     _payloads: int = 0
     #: the layouts the server announced (an update may name its layout by digest)
     layouts: LayoutCache = field(default_factory=LayoutCache)
+    #: the largest envelope of a device message, by kind (task, update): its bytes beyond its
+    #: information and its telemetry (as ``benchmarks/bench_envelope.py`` counts them)
+    envelope: dict[str, int] = field(default_factory=dict)
 
     def count(self, key: str, body: bytes) -> None:
         env, msg = decode(body, max_bytes=len(body) + 1, layouts=self.layouts)
@@ -104,6 +115,9 @@ class Observed:
             self.layouts.learn(layout)
         kind = env.kind.value
         self.carried[kind] = self.carried.get(kind, 0) + len(body)
+        if env.kind in (Kind.TASK, Kind.UPDATE):
+            over = len(body) - information_bytes(msg) - env.telemetry_bytes
+            self.envelope[kind] = max(self.envelope.get(kind, 0), over)
         if isinstance(msg, Task):
             self.device_down[kind] = self.device_down.get(kind, 0) + len(body) + msg.payload_bytes
             # a fan-out publishes its payloads just before its tasks
@@ -323,6 +337,18 @@ def test_summary_bytes_are_the_bytes_of_every_message(
     assert core <= rounds_broker <= sum(carried.values())
     if algorithm == "fedavg":  # one model for every device: it crossed the broker once per host
         assert carried["task"] + carried["payload"] < summary["bytes_down"] * 0.75
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_every_device_message_is_within_the_envelope_budget(
+    algorithm: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Issue 16: a task or an update carries at most 64 bytes beyond its tensors' information
+    (routing facts, MAC, layout digest or references, counts, framing), telemetry apart — for
+    every algorithm, every message of the run."""
+    run = _clean(algorithm, tmp_path_factory)
+    assert set(run.seen.envelope) == {"task", "update"}, run.seen.envelope
+    assert max(run.seen.envelope.values()) <= DEVICE_ENVELOPE_BUDGET, run.seen.envelope
 
 
 @pytest.mark.broker

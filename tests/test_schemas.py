@@ -14,6 +14,7 @@ from shared.codec import tensorset
 from shared.schemas import (
     ACCEPTED_VERSIONS,
     BODY_MODELS,
+    KIND_CODES,
     PREVIOUS_VERSION,
     SCHEMA_VERSION,
     DecodeError,
@@ -21,12 +22,14 @@ from shared.schemas import (
     Heartbeat,
     Kind,
     Partial,
-    Task,
+    Reject,
     Update,
     decode,
     device_bytes,
     encode,
+    exp_tag,
     message_parts,
+    new_incarnation,
     task_key,
     transcode,
     verify,
@@ -89,15 +92,16 @@ def test_every_message_round_trips_in_the_previous_version(kind: Kind) -> None:
     message of its own as a service does on the way out) reads back as the same message."""
     body = _sample(kind)
     assert isinstance(body, BODY_MODELS[kind])
-    if isinstance(body, Task):  # a task's key and payload digest change form in version 3
-        body = body.model_copy(update={"key": bytes(range(16)), "payload": b"\x07" * 8})
-    data = encode(kind, body, exp="e1", round=4, sender="s", inc="abcd", version=PREVIOUS_VERSION)
-    mine = encode(kind, body, exp="e1", round=4, sender="s", inc="abcd")
-    for wire in (data, transcode(mine, PREVIOUS_VERSION, exp="e1")):
-        assert isinstance(codec.unpackb(wire, max_bytes=LIMIT), dict)  # a v3 envelope is a map
-        env, back = decode(wire, max_bytes=LIMIT, exp="e1")
-        assert (env.v, env.kind, env.exp, env.round, env.sender, env.inc) == (3, kind, "e1", 4, "s", "abcd")
-        assert back.model_dump() == body.model_dump()
+    for inc in ("abcd", "0a0b0c0d"):  # a 4-byte incarnation is an int in version 5, a bin in 4
+        data = encode(kind, body, exp="e1", round=4, sender="s", inc=inc, version=PREVIOUS_VERSION)
+        mine = encode(kind, body, exp="e1", round=4, sender="s", inc=inc)
+        for wire in (data, transcode(mine, PREVIOUS_VERSION, exp="e1")):
+            raw = codec.unpackb(wire, max_bytes=LIMIT)
+            assert raw[0] == PREVIOUS_VERSION and isinstance(raw[3], bytes)
+            env, back = decode(wire, max_bytes=LIMIT, exp="e1")
+            assert (env.v, env.kind, env.exp, env.round, env.sender, env.inc) == (4, kind, "e1", 4, "s", inc)
+            assert back.model_dump() == body.model_dump()
+        assert decode(mine, max_bytes=LIMIT)[0].inc == inc
 
 
 def test_tensors_survive_the_envelope() -> None:
@@ -197,25 +201,69 @@ def test_a_devices_mac_binds_device_round_and_every_byte(a: int, b: int, rnd: in
     assert decode(other[: len(data)], max_bytes=LIMIT, exp="e")[0].mac == env.mac
 
 
-# -- envelope v4: the lean wire form, its tensor sets, and the previous version ---------------------
-def _v3(kind: Kind, body: dict[str, object], exp: str = "e", mac: bytes = b"") -> bytes:
-    """A message as a build of schema version 3 wrote it (a map, the experiment id in full)."""
-    env: dict[str, object] = {"v": 3, "kind": kind.value, "exp": exp, "inc": "0a", "round": 2, "sender": "s"}
-    env["id"] = "x"
-    env["body"] = codec.packb(body)
-    if mac:
-        env["mac"] = mac
-    return codec.packb(env)
+# -- the lean wire form (versions 4 and 5), its tensor sets, and the previous version -------------
+def _v4_update(head: object, blob: bytes, counts: list[int], exp: str = "e") -> bytes:
+    """An update as a build of schema version 4 wrote it, by hand: its tensor set
+    ``[head, blob, counts]`` is a field of the body (a bin inside the body's bin), its references
+    version 4's."""
+    body = codec.packb([5, 10, [head, blob, counts] if counts else [head, blob]])
+    return codec.packb([4, KIND_CODES[Kind.UPDATE], exp_tag(exp), b"\x0a", 2, "", body])
 
 
 def test_the_previous_version_is_read() -> None:
-    """Rolling upgrade: a build reads its own version and the one before (ACCEPTED_VERSIONS)."""
-    assert ACCEPTED_VERSIONS == (3, SCHEMA_VERSION) and SCHEMA_VERSION == 4
-    env, body = decode(_v3(Kind.REJECT, {"device_id": 5, "reason": "memory"}), max_bytes=LIMIT, exp="e")
-    assert (env.v, env.kind, env.round, body.device_id, body.reason) == (3, Kind.REJECT, 2, 5, "memory")
+    """Rolling upgrade: a build reads its own version and the one before (ACCEPTED_VERSIONS),
+    version 4's tensor references included (``index << 4 | code``, a slice's mask after it)."""
+    assert ACCEPTED_VERSIONS == (4, SCHEMA_VERSION) and SCHEMA_VERSION == 5
+    known = [["w", 0, 1, [2, 3]], ["b", 0, 1, [3]]]
+    d = tensorset.digest(known)
+    w = np.arange(6, dtype=np.float32).reshape(2, 3)
+    blob = b"\x01" + w[1:].tobytes() + np.ones(3, np.float32).tobytes()
+    # "w" sliced on axis 0 (kept: row 1), "b" dense: refs 0 << 4 | 4 with mask 1, then 1 << 4 | 0
+    data = _v4_update([d, 0 << 4 | 4, 1, 1 << 4 | 0], blob, [1])
+    env, body = decode(data, max_bytes=LIMIT, exp="e", layouts={d: known})
+    assert (env.v, env.kind, env.round, body.device_id, body.num_samples) == (4, Kind.UPDATE, 2, 5, 10)
+    got = codec.decode(body.tensors["w"])
+    assert isinstance(got, codec.Sliced) and got == codec.Sliced.from_dense(w, [np.array([1]), None])
+    assert codec.decode(body.tensors["b"]) == codec.Dense(np.ones(3, np.float32))
     with pytest.raises(DecodeError) as err:
-        decode(_v3(Kind.REJECT, {"device_id": 5, "reason": "memory"}, exp="f"), max_bytes=LIMIT, exp="e")
+        decode(_v4_update([d, 1 << 4 | 0], blob[-12:], [], exp="f"), max_bytes=LIMIT, exp="e")
     assert err.value.reason == "unknown-experiment"
+
+
+def test_bytes_after_a_body_that_no_tensor_set_takes_are_refused() -> None:
+    """Version 5 puts a tensor set's blob raw after the body's fields: anything there when the
+    body has no tensors is refused, not ignored (a MAC'd body must be exactly what is used)."""
+
+    def reject(body: bytes) -> bytes:
+        return codec.packb([SCHEMA_VERSION, KIND_CODES[Kind.REJECT], exp_tag("e"), b"", 1, "", body])
+
+    fields = codec.packb([1, "memory"])
+    assert decode(reject(fields), max_bytes=LIMIT)[1] == Reject(device_id=1, reason="memory")
+    with pytest.raises(DecodeError) as err:
+        decode(reject(fields + b"x"), max_bytes=LIMIT)
+    assert err.value.reason == "malformed"
+    # and a tensor set's blob is exactly what its layout says, not a byte more
+    upd = encode(Kind.UPDATE, _sample(Kind.UPDATE), exp="e", round=1, sender="")  # type: ignore[arg-type]
+    raw = codec.unpackb(upd, max_bytes=LIMIT)
+    for body in (raw[6] + b"\0", raw[6][:-1]):
+        with pytest.raises(DecodeError) as err:
+            decode(codec.packb([*raw[:6], body, *raw[7:]]), max_bytes=LIMIT)
+        assert err.value.reason == "tensor"
+
+
+def test_every_incarnation_of_a_server_packs_in_the_same_bytes() -> None:
+    """Version 5 sends a 4-byte incarnation as an int; the server's always have their top bit set, so
+    a message's size does not depend on which start of the server sent it (a resumed run, or the
+    same run in one process and over RabbitMQ, count the same bytes)."""
+    sizes = set()
+    for _ in range(200):
+        inc = new_incarnation()
+        data = encode(Kind.FLUSH, Flush(), exp="e", round=1, sender="", inc=inc)
+        assert decode(data, max_bytes=LIMIT)[0].inc == inc
+        sizes.add(len(data))
+    assert len(sizes) == 1
+    small = encode(Kind.FLUSH, Flush(), exp="e", round=1, sender="", inc="00000001")
+    assert len(small) < min(sizes)  # what the top bit is there for: a small int packs shorter
 
 
 def test_a_newer_version_is_refused_with_a_reason() -> None:
@@ -229,7 +277,9 @@ def test_a_newer_version_is_refused_with_a_reason() -> None:
     "raw",
     [
         [SCHEMA_VERSION, 999, 0, b"", 1, "", b""],  # unknown kind code
-        [SCHEMA_VERSION, 0, 0, "not-bin", 1, "", b""],  # incarnation must be bin
+        [SCHEMA_VERSION, 0, 0, "not-bin", 1, "", b""],  # incarnation must be bin or a 32-bit int
+        [SCHEMA_VERSION, 0, 0, 1 << 32, 1, "", b""],  # an int wider than 32 bits
+        [PREVIOUS_VERSION, 0, 0, 7, 1, "", b""],  # version 4 wrote the incarnation as a bin only
         [SCHEMA_VERSION, 0, 0, b""],  # too short
         [SCHEMA_VERSION, 0, 0, b"", -1, "", b""],  # negative round
     ],
@@ -301,6 +351,50 @@ def test_a_tensor_set_round_trips_inline_by_digest_and_by_reference() -> None:
     _same(other, tensorset.unpack(codec.unpackb(codec.packb(ref), max_bytes=LIMIT), {d: inline})[0])
     with pytest.raises(tensorset.UnknownLayout):
         tensorset.unpack(short, {})
+
+
+@pytest.mark.parametrize("refs", [tensorset.REFS, tensorset.REFS_V4])
+def test_references_into_a_known_layout_in_either_dialect(refs: int) -> None:
+    """A device's update of a dense model: entries skipped, sliced on one or both axes, reshaped to
+    a vector or to a matrix, and one out of order — each round-trips in both dialects, and version
+    5's refs are one byte each (the index implied by the order, a slice's axes inside the ref)."""
+    w = np.arange(24, dtype=np.float32).reshape(4, 6)
+    known_t = {n: codec.encode(codec.Dense(w)) for n in ("a", "b", "c", "d", "e")}
+    layout = tensorset.to_wire(known_t)[0]
+    d = tensorset.digest(layout)
+    update = {
+        "b": codec.encode(codec.Sliced.from_dense(w, [np.array([1, 3]), None])),  # skips "a"
+        "c": codec.encode(codec.Sliced.from_dense(w, [np.array([0]), np.array([2, 5])])),
+        "d": codec.encode(codec.Dense(w[w > 20])),  # the kept values, as a vector
+        "e": codec.encode(codec.Dense(w[:2].reshape(2, 2, 3))),  # reshaped, not to a vector
+        "a": codec.encode(codec.Sparse.from_dense(w, w > 10), sparse_format="coo"),  # out of order
+    }
+    wire = tensorset.to_wire(update, {d: layout}, refs=refs)
+    assert isinstance(wire[0], list) and wire[0][0] == d
+    back, inline = tensorset.unpack(codec.unpackb(codec.packb(wire), max_bytes=LIMIT), {d: layout}, refs)
+    _same(update, back)
+    assert inline is None
+    if refs == tensorset.REFS:
+        sliced, skip = 4, 16
+        assert wire[0][1:] == [
+            1 << 5 | skip | 4, 1,  # "b": skip one entry, sliced on axis 0
+            3 << 5 | sliced,  # "c": sliced on both axes
+            8 | 0, 3,  # "d": a vector of 3
+            8 | 0, [2, 2, 3],  # "e"
+            ["a", 3, 1, [4, 6]],  # "a" comes before the entries already named: in full
+        ]  # fmt: skip
+
+
+@given(st.lists(st.one_of(st.integers(-2, 300), st.lists(st.integers(0, 9), max_size=3)), max_size=8))
+def test_hostile_references_raise_codec_errors_only(items: list[object]) -> None:
+    layout = tensorset.to_wire({"w": codec.encode(codec.Dense(np.zeros((2, 3), np.float32)))})[0]
+    d = tensorset.digest(layout)
+    for refs in (tensorset.REFS, tensorset.REFS_V4):
+        with contextlib.suppress(codec.CodecError):
+            out, _ = tensorset.unpack([[d, *items], bytes(64), [1, 1, 1]], {d: layout}, refs)
+            for t in out.values():
+                with contextlib.suppress(codec.CodecError):
+                    codec.decode(t)
 
 
 @pytest.mark.parametrize("cut", [1, 4])

@@ -196,14 +196,13 @@ def _own(device: int, dense: dict[str, Any]) -> Update:
 def _altered(data: bytes) -> bytes:
     """The same message with one byte of one weight changed, its MAC kept: well-formed, not genuine.
 
-    Envelope v4: ``[v, kind, exp tag, inc, round, sender, body, mac, ...]``; the body's third field
-    is the tensor set ``[layout, blob, ...]``."""
+    Envelope v5: ``[v, kind, exp tag, inc, round, sender, body, mac, ...]``; the body is its fields
+    followed by the tensor set's blob, raw."""
     env = codec.unpackb(data, max_bytes=len(data) + 1)
-    body = codec.unpackb(env[6], max_bytes=len(data) + 1)
-    raw = bytearray(body[2][1])
+    fields, blob = codec.unpackb_head(env[6], max_bytes=len(data) + 1)
+    raw = bytearray(blob)
     raw[0] ^= 0x40
-    body[2][1] = bytes(raw)
-    env[6] = codec.packb(body)
+    env[6] = codec.packb(fields) + bytes(raw)
     return codec.packb(env)
 
 

@@ -36,7 +36,7 @@ from shared.config import load_config
 from shared.experiment import Experiment
 from shared.models.spafl_layers import MaskedConv2d, MaskedLinear, convert, masked_layers
 from shared.results import read_rounds
-from shared.schemas import Kind, Task, Update, device_bytes, encode
+from shared.schemas import Kind, Task, Update, device_bytes, encode, new_incarnation
 from tests.conftest import wait_for, write_config
 
 #: the spec's §8 MLP: 64-128-64-10 without biases
@@ -404,6 +404,11 @@ def test_device_state_survives_restart_and_redelivery(tmp_path: Path) -> None:
 
 
 # -- wire bytes ------------------------------------------------------------------------------------
+#: an incarnation as the server makes them (``shared.schemas.new_incarnation``: top bit set), so the
+#: envelope packs it in the width every run's messages do
+INC = new_incarnation()
+
+
 def _update_bytes(
     exp_id: str,
     tensors: Mapping[str, codec.Tensor],
@@ -428,7 +433,7 @@ def _update_bytes(
         known = {tensorset.digest(layout): layout}
     # MAC'd with the device's task key (always 16 bytes)
     key = "0" * 32
-    data = encode(Kind.UPDATE, body, exp=exp_id, round=1, sender="", inc="0" * 8, key=key, known=known)
+    data = encode(Kind.UPDATE, body, exp=exp_id, round=1, sender="", inc=INC, key=key, known=known)
     return device_bytes(data)
 
 
@@ -437,7 +442,7 @@ def _task_bytes(exp_id: str, tensors: Mapping[str, codec.Tensor]) -> int:
     digest) plus the tensors as a device that knows the model's layout receives them."""
     packed = tensorset.digest_only_size(tensorset.to_wire(encode_tensors(dict(tensors))[0]))
     body = Task(device_id=0, payload=b"d" * 8, payload_bytes=packed, key=b"0" * 16)
-    return packed + len(encode(Kind.TASK, body, exp=exp_id, round=1, sender="", inc="0" * 8))
+    return packed + len(encode(Kind.TASK, body, exp=exp_id, round=1, sender="", inc=INC))
 
 
 def _headers(s: SpaFL, exp_id: str, metrics: list[str]) -> dict[str, int]:

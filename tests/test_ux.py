@@ -471,7 +471,7 @@ def test_the_sample_comparison_catches_a_stale_line(doc: str) -> None:
     row = sample[cut - 1]  # a round row, standing in for the rounds the sample leaves out
     printed = [*sample[:cut], row, row, *sample[cut + 1 :]]
     assert matches_sample(printed, sample) == []
-    stale = [line.replace("0.9125", "0.9158") for line in sample]
+    stale = [line.replace("0.9158", "0.9125") for line in sample]
     assert matches_sample(printed, stale)
     assert matches_sample(printed[:-1], sample)
     assert matches_sample([*printed, "one more line"], sample)

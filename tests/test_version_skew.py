@@ -1,15 +1,16 @@
-"""Version skew: a client host of the previous build (schema version 3) in a run of this one (4).
+"""Version skew: a client host of the previous build (schema version 4) in a run of this one (5).
 
 The previous build is taken from this repository's own history (:data:`OLD_BUILD`, the last commit
-that wrote version 3) with ``git archive`` and run with this venv: it needs the same packages. What
+that wrote version 4) with ``git archive`` and run with this venv: it needs the same packages. What
 is checked (docs/wire.md, "Versions on the wire"):
 
-* every message a server sends a host, written in version 3 here, is read by the old build's own
-  ``decode``, and what the old build writes is read (and its MACs verified) here;
+* every message a server sends a host, written in version 4 here, is read by the old build's own
+  ``decode``, and what the old build writes — version 4's tensor references too — is read (and its
+  MACs verified) here;
 * over RabbitMQ, with real processes: this build's server and aggregator, a client host of this
   build and one of the old build. Every round completes, the old host's devices take part in each
   (their updates merged), the model equals the same experiment's run in one process of this build,
-  and nothing is dead-lettered for ``schema`` — except a version 5 message the test sends the
+  and nothing is dead-lettered for ``schema`` — except a version 6 message the test sends the
   server, which is dead-lettered with "upgrade this service".
 
 Outside a git checkout (a source tarball) the old build cannot be made: the tests skip, or fail
@@ -39,11 +40,11 @@ import pytest
 
 from services.orchestrator import ProcessCluster, run_inproc
 from shared import codec, identity, provision
+from shared.codec import tensorset
 from shared.config import load_config
 from shared.schemas import (
     PREVIOUS_VERSION,
     SCHEMA_VERSION,
-    V3_DIGEST_PAD,
     DeviceState,
     EvalResult,
     Fetch,
@@ -70,8 +71,9 @@ from tests.conftest import write_config
 from tests.test_security_e2e import ADMIN_API, _need_admin
 
 ROOT = Path(__file__).resolve().parents[1]
-#: the last commit whose build writes schema version 3 (the one before the lean envelope, v4)
-OLD_BUILD = "e1dfd54"
+#: the last commit whose build writes schema version 4 (the one before version 5: the tensor blob
+#: raw after the body's fields, one-byte references; docs/wire.md)
+OLD_BUILD = "716b8d9"
 LIMIT = 1 << 20
 EXP = "skew-unit"
 
@@ -137,7 +139,7 @@ def plain(v):
 out = []
 for data in codec.unpackb(open(sys.argv[1], "rb").read(), max_bytes=1 << 24):
     try:
-        env, body = decode(data, max_bytes=1 << 20)
+        env, body = decode(data, max_bytes=1 << 20, exp="skew-unit")
         out.append({"kind": env.kind.value, "v": env.v, "exp": env.exp, "inc": env.inc,
                     "round": env.round, "body": plain(body.model_dump())})
     except Exception as err:
@@ -147,9 +149,13 @@ print(json.dumps(out))
 
 OLD_WRITE = """
 import sys
+import numpy as np
 from shared import codec
+from shared.codec import tensorset
 from shared.schemas import Fetch, Heartbeat, Kind, Reject, Timings, Update, encode, task_key
 key = task_key(sys.argv[2], 2, 5)
+layout = tensorset.to_wire({"w": codec.encode(codec.Dense(np.zeros((2, 3), "float32")))})[0]
+sliced = codec.Sliced.from_dense(np.arange(6, dtype="float32").reshape(2, 3), [np.array([1]), None])
 msgs = [
     encode(Kind.HEARTBEAT, Heartbeat(host_id="old-host", capacity=4, holding=[1, 5], epoch=3),
            exp="skew-unit", round=0, sender="old-host", inc="0a0b0c0d"),
@@ -158,6 +164,9 @@ msgs = [
            __import__("numpy").arange(4, dtype="float32")))}, metrics={"train_loss": 0.25}, task_bytes=99,
            timings=Timings(download_s=1.0, compute_s=2.0, upload_s=0.5)),
            exp="skew-unit", round=2, sender="device-5", inc="0a0b0c0d", key=key),
+    encode(Kind.UPDATE, Update(device_id=5, num_samples=10, tensors={"w": codec.encode(sliced)}),
+           exp="skew-unit", round=2, sender="", inc="0a0b0c0d", key=key,
+           known={tensorset.digest(layout): layout}),
     encode(Kind.REJECT, Reject(device_id=5, reason="memory"), exp="skew-unit", round=2,
            sender="device-5", inc="0a0b0c0d", key=key),
 ]
@@ -178,7 +187,7 @@ def _tensor() -> dict[str, Any]:
 
 
 def test_what_a_server_sends_a_host_is_read_by_the_previous_build(old_build: Path, tmp_path: Path) -> None:
-    """Every kind a host receives, written in version 3 (directly, and rewritten from a version 4
+    """Every kind a host receives, written in version 4 (directly, and rewritten from a version 5
     message as a service does on its way out), decoded by the old build's ``decode``."""
     digest, key = bytes(range(1, 9)), bytes(range(16))
     inc = "0a0b0c0d"
@@ -192,7 +201,7 @@ def test_what_a_server_sends_a_host_is_read_by_the_previous_build(old_build: Pat
         (Kind.GO, Go(device_id=5, upload=False, reason="surplus")),
         (Kind.STOP, Stop()),
     ]
-    direct = [encode(k, b, exp=EXP, round=2, sender="", inc=inc, version=3) for k, b in bodies]
+    direct = [encode(k, b, exp=EXP, round=2, sender="", inc=inc, version=PREVIOUS_VERSION) for k, b in bodies]
     current = [encode(k, b, exp=EXP, round=2, sender="", inc=inc) for k, b in bodies]
     assert all(decode(d, max_bytes=LIMIT)[0].v == SCHEMA_VERSION for d in current)
     rewritten = [transcode(d, PREVIOUS_VERSION, exp=EXP) for d in current]
@@ -201,14 +210,14 @@ def test_what_a_server_sends_a_host_is_read_by_the_previous_build(old_build: Pat
     read = json.loads(_old(old_build, OLD_READ, str(path)))
     assert [r.get("error") for r in read] == [None] * len(read), read
     for got, (kind, body) in zip(read, bodies + bodies, strict=True):
-        assert (got["kind"], got["v"], got["exp"], got["inc"], got["round"]) == (kind.value, 3, EXP, inc, 2)
+        assert (got["kind"], got["v"], got["exp"], got["inc"], got["round"]) == (kind.value, 4, EXP, inc, 2)
         want = body.model_dump()
         if kind is Kind.PAYLOAD:
-            assert got["body"]["digest"] == (digest + V3_DIGEST_PAD).hex()
+            assert got["body"]["digest"] == digest.hex()
             assert got["body"]["tensors"]["w"]["data"] == bytes(_tensor()["data"]).hex()
         elif kind in (Kind.TASK, Kind.EVALUATE):
-            assert got["body"]["key"] == key.hex()  # v3 task keys are hex: its MACs use them as such
-            assert got["body"]["payload"] == ((digest + V3_DIGEST_PAD).hex() if body.payload else "")
+            assert got["body"]["key"] == key.hex()
+            assert got["body"]["payload"] == (digest.hex() if body.payload else "")
             assert got["body"]["config"] == want["config"]
         elif kind is Kind.DEVICE_STATE:
             assert got["body"]["files"] == {"state.npz": "0001"}
@@ -219,34 +228,39 @@ def test_what_a_server_sends_a_host_is_read_by_the_previous_build(old_build: Pat
 def test_what_the_previous_build_sends_is_read_and_its_macs_hold(old_build: Path, tmp_path: Path) -> None:
     round_key, digest = "ab" * 16, bytes(range(1, 9))
     path = tmp_path / "msgs"
-    _old(old_build, OLD_WRITE, str(path), round_key, (digest + V3_DIGEST_PAD).hex())
-    beat, fetch, update, reject = codec.unpackb(path.read_bytes(), max_bytes=LIMIT)
+    _old(old_build, OLD_WRITE, str(path), round_key, digest.hex())
+    beat, fetch, update, by_reference, reject = codec.unpackb(path.read_bytes(), max_bytes=LIMIT)
     env, hb = decode(beat, max_bytes=LIMIT, exp=EXP)
-    assert (env.v, hb) == (3, Heartbeat(host_id="old-host", capacity=4, holding=[1, 5], epoch=3))
+    assert (env.v, hb) == (4, Heartbeat(host_id="old-host", capacity=4, holding=[1, 5], epoch=3))
     env, f = decode(fetch, max_bytes=LIMIT, exp=EXP)
-    assert isinstance(f, Fetch) and f.digest == digest  # the padding gone: this build's digest
+    assert isinstance(f, Fetch) and f.digest == digest
     env, upd = decode(update, max_bytes=LIMIT, exp=EXP)
     assert isinstance(upd, Update) and verify(env, task_key(round_key, 2, 5))
     assert not verify(env, task_key(round_key, 2, 6))
     assert (upd.task_bytes, upd.timings.total(), upd.metrics) == (99, 3.5, {"train_loss": 0.25})
     assert codec.to_array(codec.decode(upd.tensors["w"])).tolist() == [0.0, 1.0, 2.0, 3.0]
+    # a slice of the model, its layout named by version 4's references into the model's layout
+    layout = tensorset.to_wire({"w": codec.encode(codec.Dense(np.zeros((2, 3), np.float32)))})[0]
+    env, upd = decode(by_reference, max_bytes=LIMIT, exp=EXP, layouts={tensorset.digest(layout): layout})
+    assert isinstance(upd, Update) and verify(env, task_key(round_key, 2, 5))
+    sliced = codec.Sliced.from_dense(np.arange(6, dtype=np.float32).reshape(2, 3), [np.array([1]), None])
+    assert codec.decode(upd.tensors["w"]) == sliced
     env, rej = decode(reject, max_bytes=LIMIT, exp=EXP)
     assert isinstance(rej, Reject) and verify(env, task_key(round_key, 2, 5))
 
 
-def test_what_version_3_cannot_say_is_refused_not_dropped() -> None:
+def test_what_cannot_be_rewritten_is_refused_not_dropped() -> None:
+    """Versions this build does not write, and a MAC'd message (only its device can make a MAC),
+    are refused; every field of version 5 has its place in version 4."""
     refused = Receipt(
         device_id=1, aggregator_id="a", update_bytes=1, dense_bytes=1, num_samples=1, refused="norm"
     )
-    with pytest.raises(ValueError, match="refused"):
-        encode(Kind.RECEIPT, refused, exp=EXP, round=1, sender="a", version=3)
-    plain = refused.model_copy(update={"refused": ""})
-    assert (
-        decode(encode(Kind.RECEIPT, plain, exp=EXP, round=1, sender="a", version=3), max_bytes=LIMIT)[1]
-        == plain
-    )
+    old = encode(Kind.RECEIPT, refused, exp=EXP, round=1, sender="a", version=PREVIOUS_VERSION)
+    assert decode(old, max_bytes=LIMIT)[1] == refused
     with pytest.raises(ValueError, match="writes schema versions"):
         encode(Kind.STOP, Stop(), exp=EXP, round=1, sender="s", version=SCHEMA_VERSION + 1)
+    with pytest.raises(ValueError, match="writes schema versions"):
+        encode(Kind.STOP, Stop(), exp=EXP, round=1, sender="s", version=PREVIOUS_VERSION - 1)
     signed = encode(Kind.EVAL_RESULT, EvalResult(device_id=1), exp=EXP, round=1, sender="", key="cd" * 16)
     with pytest.raises(ValueError, match="MAC"):
         transcode(signed, PREVIOUS_VERSION, exp=EXP)
@@ -256,22 +270,23 @@ def test_each_host_is_written_its_own_version_and_broadcasts_the_lowest_live() -
     now = [1000.0]
     peers = PeerVersions(live_s=30.0, clock=lambda: now[0])
     assert peers.version_for(KEY_CLIENTS) == SCHEMA_VERSION  # nobody heard from yet
-    peers.learn("new", 4)
-    peers.learn("old", 3)
-    peers.learn("future", 5)  # not a version this build reads: never chosen
-    assert peers.versions() == {key_host("new"): 4, key_host("old"): 3}
-    assert (peers.version_for(key_host("new")), peers.version_for(key_host("old"))) == (4, 3)
+    peers.learn("new", 5)
+    peers.learn("old", 4)
+    peers.learn("future", 6)  # not a version this build reads: never chosen
+    peers.learn("ancient", 3)  # nor one it no longer reads
+    assert peers.versions() == {key_host("new"): 5, key_host("old"): 4}
+    assert (peers.version_for(key_host("new")), peers.version_for(key_host("old"))) == (5, 4)
     assert peers.version_for(key_host("unknown")) == SCHEMA_VERSION
-    assert peers.version_for(KEY_CLIENTS) == 3
+    assert peers.version_for(KEY_CLIENTS) == 4
     stop = encode(Kind.STOP, Stop(), exp=EXP, round=3, sender="server")
-    assert decode(peers.outgoing(KEY_CLIENTS, stop, exp=EXP), max_bytes=LIMIT)[0].v == 3
+    assert decode(peers.outgoing(KEY_CLIENTS, stop, exp=EXP), max_bytes=LIMIT)[0].v == 4
     assert peers.outgoing(key_host("new"), stop, exp=EXP) is stop
     now[0] += 20
-    peers.learn("new", 4)
-    now[0] += 20  # the old host has been silent for 40 s: gone; the broadcast goes as version 4
-    assert peers.version_for(KEY_CLIENTS) == 4
-    peers.learn("old", 4)  # the same host id back with the new image
-    assert peers.version_for(key_host("old")) == 4
+    peers.learn("new", 5)
+    now[0] += 20  # the old host has been silent for 40 s: gone; the broadcast goes as version 5
+    assert peers.version_for(KEY_CLIENTS) == 5
+    peers.learn("old", 5)  # the same host id back with the new image
+    assert peers.version_for(key_host("old")) == 5
 
 
 # -- a mixed run over RabbitMQ ----------------------------------------------------------------------

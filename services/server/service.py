@@ -33,7 +33,6 @@ import contextlib
 import math
 import secrets
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -72,6 +71,7 @@ from shared.schemas import (
     RoundSummary,
     Stop,
     encode,
+    new_incarnation,
     task_key,
     verify,
 )
@@ -116,7 +116,7 @@ class Server(ServiceBase):
         self.strategy = exp.strategy
         self.run_dir = run_dir
         self.flush_timeout_s = flush_timeout_s
-        self.incarnation = uuid.uuid4().hex[:8]  # 32 random bits: tells this start from any other
+        self.incarnation = new_incarnation()  # random: tells this start from any other
         #: every device of the fleet, as strategies plan for it (tier, samples, profile), made on access
         self.registry: DeviceRegistry = self._device_infos(exp)
         self.leases = Leases(

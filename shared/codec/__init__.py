@@ -69,7 +69,7 @@ Every failure is a :class:`CodecError` with a ``reason`` token (see :data:`REASO
 """
 
 from shared.codec.errors import REASONS, CodecError, Reason
-from shared.codec.pack import packb, unpackb
+from shared.codec.pack import packb, unpackb, unpackb_head
 from shared.codec.tensors import (
     INDEX_DTYPES,
     VALUE_DTYPES,
@@ -115,4 +115,5 @@ __all__ = [
     "packb",
     "to_array",
     "unpackb",
+    "unpackb_head",
 ]

@@ -52,13 +52,26 @@ def unpackb(data: bytes | bytearray | memoryview, *, max_bytes: int) -> Any:
     Any failure -- oversize, truncation, trailing bytes, bad UTF-8, extension types, nesting too deep,
     non-bytes input -- raises ``CodecError`` ('oversized' or 'malformed') and nothing else.
     """
+    obj, rest = unpackb_head(data, max_bytes=max_bytes)
+    if rest:
+        raise CodecError("malformed", f"not a valid msgpack message: {len(rest)} bytes after its end")
+    return obj
+
+
+def unpackb_head(data: bytes | bytearray | memoryview, *, max_bytes: int) -> tuple[Any, bytes]:
+    """Like :func:`unpackb`, but the bytes after the first object are returned (as ``bytes``), not
+    refused: a body of schema version 5 is its packed fields followed by its tensors' raw blob.
+
+    Why not a bin for the blob: the body is a bin already, and a second frame around most of it
+    costs 2–5 bytes of every device message for nothing (issue 16's 64-byte envelope).
+    """
     if not isinstance(data, bytes | bytearray | memoryview):
         raise CodecError("malformed", f"expected bytes, got {type(data).__name__}")
     size = memoryview(data).nbytes
     if size > max_bytes:
         raise CodecError("oversized", f"message is {size} bytes; the limit is {max_bytes}")
     try:
-        return msgpack.unpackb(
+        obj = msgpack.unpackb(
             data,
             raw=False,
             strict_map_key=True,
@@ -72,6 +85,9 @@ def unpackb(data: bytes | bytearray | memoryview, *, max_bytes: int) -> Any:
             max_map_len=size // 2,
             max_ext_len=0,  # also blocks the built-in timestamp type, which bypasses ext_hook
         )
+        return obj, b""
+    except msgpack.ExtraData as extra:  # a complete object, then bytes of the caller's own
+        return extra.unpacked, extra.extra
     except CodecError:
         raise
     except Exception as exc:  # msgpack raises ValueError subclasses, TypeError, UnicodeDecodeError...

@@ -15,8 +15,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import math
-import uuid
-from collections.abc import Mapping
+import secrets
+from collections.abc import Iterator, Mapping
 from enum import StrEnum
 from typing import Annotated, Any
 
@@ -27,16 +27,19 @@ from shared.codec import tensorset
 
 #: Bump when a message changes incompatibly. A build reads this version and the previous one, writes
 #: the previous one to a peer that speaks only it, and dead-letters any other (docs/wire.md): bumping
-#: means making today's writer the ``PREVIOUS_VERSION`` writer and retiring version 3's.
+#: means making today's writer the ``PREVIOUS_VERSION`` writer and retiring version 4's.
 #: 2: client processes are hosts that lease devices (``heartbeat``, ``lease``, ``device_state``
 #: replace ``register``). 3: the body travels as bytes with a MAC over them (``task_key``), tasks
 #: carry a per-task key instead of a token; ``join`` asks for a host's own broker user.
 #: 4: lean envelope — the envelope and bodies are msgpack arrays, tensors travel as one tensor set
 #: per message (layout by digest once known), an update's metrics and timings as telemetry.
-SCHEMA_VERSION = 4
+#: 5: a body's tensor blob follows its fields raw (no second bin frame), the tensor set's counts
+#: sit beside its head, and references into a known layout are one byte each (the index implied by
+#: the order, a slice's axes inside the ref): every device message within 64 bytes of its tensors.
+SCHEMA_VERSION = 5
 #: The version before this one: still read, and written to a peer that speaks it (a client host of
 #: the previous image during a rolling upgrade; docs/wire.md, "Versions on the wire").
-PREVIOUS_VERSION = 3
+PREVIOUS_VERSION = 4
 
 
 class Kind(StrEnum):
@@ -394,8 +397,8 @@ class Envelope(BaseModel):
     (empty on a device's messages: the device id is in the body); who really sent a message is the
     broker-validated ``user_id`` of the delivery.
 
-    On the wire (version 4) this is a msgpack *array*, not a map — field names cost more than most
-    fields — see :func:`encode`. ``exp`` is not sent: a 32-bit tag of it is (``exp_tag``), and the
+    On the wire (versions 4 and 5) this is a msgpack *array*, not a map — field names cost more
+    than most fields — see :func:`encode`. ``exp`` is not sent: a 32-bit tag of it is (``exp_tag``), and the
     receiver, which knows its experiment, checks the tag and fills ``exp`` in.
     """
 
@@ -456,16 +459,29 @@ def task_key(round_key: str, round: int, device_id: int) -> str:
     return hmac.new(bytes.fromhex(round_key), msg, hashlib.sha256).hexdigest()[:32]
 
 
+#: an incarnation of this many bytes (the server's, :func:`new_incarnation`) travels as an unsigned
+#: int in version 5 — an int of up to 32 bits packs in at most 5 bytes, a 4-byte bin in 6
+INC_BYTES = 4
+
+
+def new_incarnation() -> str:
+    """A server start's incarnation (hex): 31 random bits under a set top bit.
+
+    Why the top bit: msgpack packs an int in as few bytes as its value needs, so a random 32-bit
+    incarnation would make every message of a start 1–4 bytes shorter in one start of 256 — and
+    byte counts that differ between two runs of the same experiment (a resumed run, the same run
+    over RabbitMQ and in one process) for no reason. With it, every incarnation packs in 5 bytes.
+    """
+    return f"{secrets.randbits(8 * INC_BYTES - 1) | 1 << (8 * INC_BYTES - 1):08x}"
+
+
 def exp_tag(exp: str) -> int:
     """The 32-bit tag of an experiment id that travels instead of the id (``Envelope.exp_tag``)."""
     return int.from_bytes(hashlib.sha256(exp.encode()).digest()[:4], "big")
 
 
 def _mac(key: str, v: int, kind: Kind, exp: str, round: int, inc: str, body: bytes, tel: bytes) -> bytes:
-    if v == PREVIOUS_VERSION:  # the previous version's MAC input (it had no telemetry)
-        head = f"{kind.value}|{exp}|{round}|{inc}|".encode()
-    else:
-        head = f"{v}|{kind.value}|{exp}|{round}|{inc}|{len(body)}|".encode()
+    head = f"{v}|{kind.value}|{exp}|{round}|{inc}|{len(body)}|".encode()  # versions 4 and 5 alike
     return hmac.new(bytes.fromhex(key), head + body + tel, hashlib.sha256).digest()[:16]
 
 
@@ -496,16 +512,30 @@ def _nested(annotation: Any) -> type[_Body] | None:
     return annotation if isinstance(annotation, type) and issubclass(annotation, _Body) else None
 
 
-def _positional(model: _Body, names: tuple[str, ...], known: Mapping[bytes, Any] | None) -> list[Any]:
-    """Field values in declaration order, trailing defaults left out (the receiver fills them)."""
+def _positional(
+    model: _Body, names: tuple[str, ...], known: Mapping[bytes, Any] | None, blobs: list[bytes] | None = None
+) -> list[Any]:
+    """Field values in declaration order, trailing defaults left out (the receiver fills them).
+
+    ``blobs``: given (version 5), a tensor set is written as ``[head, *counts]`` and its blob is
+    appended to ``blobs``, for the caller to place after the packed fields; else (version 4) the
+    whole tensor set ``[head, blob(, counts)]`` is the field, with version 4's references.
+    """
     fields = type(model).model_fields
     out: list[Any] = []
     for name in names:
         value = getattr(model, name)
         if name in TENSOR_FIELDS:
-            value = tensorset.to_wire(value, known) if value else None
+            if not value:
+                value = None
+            elif blobs is None:
+                value = tensorset.to_wire(value, known, refs=tensorset.REFS_V4)
+            else:
+                head, blob, *counts = tensorset.to_wire(value, known)
+                value = [head, *(counts[0] if counts else [])]
+                blobs.append(blob)
         elif isinstance(value, _Body):
-            value = _positional(value, tuple(type(value).model_fields), known)
+            value = _positional(value, tuple(type(value).model_fields), known, blobs)
         out.append(value)
     while out and names[len(out) - 1] in fields and _is_default(model, names[len(out) - 1]):
         out.pop()
@@ -520,23 +550,37 @@ def _is_default(model: _Body, name: str) -> bool:
 
 
 def _from_positional(
-    cls: type[_Body], names: tuple[str, ...], values: Any, layouts: Mapping[bytes, Any], seen: list[Any]
+    cls: type[_Body],
+    names: tuple[str, ...],
+    values: Any,
+    layouts: Mapping[bytes, Any],
+    seen: list[Any],
+    blob: list[bytes] | None = None,
 ) -> dict[str, Any]:
+    """The inverse of :func:`_positional`. ``blob``: (version 5) a one-item list holding the bytes
+    that followed the body's fields; the tensor set takes them (and empties the list), so the caller
+    can tell bytes nobody claimed. None: version 4, the tensor set carries its own blob."""
     if not isinstance(values, list) or len(values) > len(names):
         raise codec.CodecError("malformed", f"{cls.__name__}: expected a list of at most {len(names)} fields")
     out: dict[str, Any] = {}
     for name, value in zip(names, values, strict=False):
         if name in TENSOR_FIELDS:
+            inline = None
             if value is None:
                 value = {}
+            elif blob is None:
+                value, inline = tensorset.unpack(value, layouts, refs=tensorset.REFS_V4)
             else:
-                value, inline = tensorset.unpack(value, layouts)
-                if inline is not None:
-                    seen.append(inline)
+                if not isinstance(value, list) or not value or not blob:
+                    raise codec.CodecError("malformed", "tensor set: expected [head, *counts] and one blob")
+                wire = [value[0], blob.pop(), value[1:]] if len(value) > 1 else [value[0], blob.pop()]
+                value, inline = tensorset.unpack(wire, layouts)
+            if inline is not None:
+                seen.append(inline)
         else:
             sub = _nested(cls.model_fields[name].annotation)
             if sub is not None and isinstance(value, list):
-                value = _from_positional(sub, tuple(sub.model_fields), value, layouts, seen)
+                value = _from_positional(sub, tuple(sub.model_fields), value, layouts, seen, blob)
         out[name] = value
     return out
 
@@ -561,35 +605,41 @@ def encode(
     """Serialize one message; with ``key`` (a device's task key) it carries a MAC of its bytes.
 
     ``version``: :data:`SCHEMA_VERSION` (the default), or :data:`PREVIOUS_VERSION` for a peer that
-    speaks only that one (:func:`_encode_v3`; ``known`` does not apply there).
+    speaks only that one.
 
-    Wire form (version 4), one msgpack array::
+    Wire form (versions 4 and 5), one msgpack array::
 
         [v, kind code, exp tag, inc (bin), round, sender, body (bin), mac (bin), telemetry (bin)]
 
-    trailing empty fields left out. The body is itself an array of the body model's fields in
-    declaration order (trailing defaults left out); a ``tensors`` field is a tensor set whose layout
-    goes as a digest, or as references into a layout, that ``known`` (digest → layout) holds.
+    trailing empty fields left out. The body is an array of the body model's fields in declaration
+    order (trailing defaults left out); a ``tensors`` field is a tensor set whose layout goes as a
+    digest, or as references into a layout, that ``known`` (digest → layout) holds. Version 5 writes
+    that field as ``[head, *counts]`` and the set's blob raw after the packed array, inside the same
+    body bin; version 4 wrote ``[head, blob(, counts)]`` as the field (a bin in a bin) and its older,
+    wider references (:mod:`shared.codec.tensorset`).
 
     Why: at small scale the envelope, not the model, was most of a message (a SpaFL update carried
-    592 bytes beside 232 bytes of thresholds); this keeps a device's message within about 64 bytes
-    of its tensors' information (``benchmarks/bench_envelope.py`` measures it).
+    592 bytes beside 232 bytes of thresholds in version 3); this keeps every device message within
+    64 bytes of its tensors' information (``benchmarks/bench_envelope.py`` measures it).
     """
     if not isinstance(body, BODY_MODELS[kind]):
         raise TypeError(f"{kind} needs a {BODY_MODELS[kind].__name__}, got {type(body).__name__}")
-    if version == PREVIOUS_VERSION:
-        return _encode_v3(kind, body, exp=exp, round=round, sender=sender, inc=inc, key=key)
-    if version != SCHEMA_VERSION:
+    if version not in ACCEPTED_VERSIONS:
         raise ValueError(
             f"this build writes schema versions {PREVIOUS_VERSION} and {SCHEMA_VERSION}, not {version}"
         )
     names, tel_names = _body_fields(kind)
-    packed = codec.packb(_positional(body, names, known))
+    blobs: list[bytes] | None = [] if version == SCHEMA_VERSION else None
+    packed = codec.packb(_positional(body, names, known, blobs))
+    if blobs:
+        packed += blobs[0]
     tel_values = _positional(body, tel_names, known) if tel_names else []
     tel = codec.packb(tel_values) if tel_values else b""
     inc_b = bytes.fromhex(inc)
-    env: list[Any] = [SCHEMA_VERSION, KIND_CODES[kind], exp_tag(exp), inc_b, round, sender, packed]
-    env.append(_mac(key, SCHEMA_VERSION, kind, exp, round, inc, packed, tel) if key else b"")
+    # a 4-byte incarnation as an int: 5 bytes at most, not a bin's 6
+    inc_w = int.from_bytes(inc_b, "big") if version == SCHEMA_VERSION and len(inc_b) == INC_BYTES else inc_b
+    env: list[Any] = [version, KIND_CODES[kind], exp_tag(exp), inc_w, round, sender, packed]
+    env.append(_mac(key, version, kind, exp, round, inc, packed, tel) if key else b"")
     env.append(tel)
     while env[-1] == b"":
         env.pop()
@@ -611,25 +661,28 @@ def decode(
         raise DecodeError(err.reason, str(err)) from None
     env = _envelope(raw)
     if exp is not None:
-        if env.exp_tag != exp_tag(exp) or (env.v == PREVIOUS_VERSION and env.exp != exp):
-            shown = env.exp or f"tag {env.exp_tag:08x}"
-            raise DecodeError("unknown-experiment", f"experiment {shown} is not {exp!r}", env)
+        if env.exp_tag != exp_tag(exp):
+            raise DecodeError("unknown-experiment", f"experiment tag {env.exp_tag:08x} is not {exp!r}", env)
         env.exp = exp
     try:
-        fields = codec.unpackb(env.body, max_bytes=max_bytes)
+        names, tel_names = _body_fields(env.kind)
+        cls = BODY_MODELS[env.kind]
         if env.v == PREVIOUS_VERSION:
-            values = _from_v3(env.kind, fields)
+            fields, rest = codec.unpackb(env.body, max_bytes=max_bytes), b""
+            blob = None
         else:
-            names, tel_names = _body_fields(env.kind)
-            cls = BODY_MODELS[env.kind]
-            values = _from_positional(cls, names, fields, layouts or {}, env.layouts)
-            if tel_names and env.telemetry:
-                tel = codec.unpackb(env.telemetry, max_bytes=max_bytes)
-                values.update(_from_positional(cls, tel_names, tel, layouts or {}, env.layouts))
+            fields, rest = codec.unpackb_head(env.body, max_bytes=max_bytes)
+            blob = [rest]
+        values = _from_positional(cls, names, fields, layouts or {}, env.layouts, blob)
+        if blob and blob[0]:
+            raise codec.CodecError("malformed", f"{len(rest)} bytes after the body that no tensor set takes")
+        if tel_names and env.telemetry:
+            tel = codec.unpackb(env.telemetry, max_bytes=max_bytes)
+            values.update(_from_positional(cls, tel_names, tel, layouts or {}, env.layouts))
     except codec.CodecError as err:
         raise DecodeError(err.reason, f"{env.kind.value} body: {err}", env) from None
     try:
-        body = BODY_MODELS[env.kind].model_validate(values)
+        body = cls.model_validate(values)
     except ValidationError as err:
         raise DecodeError("schema", f"{env.kind.value} body: {_short(err)}", env) from None
     return env, body
@@ -639,73 +692,6 @@ def decode(
 ACCEPTED_VERSIONS = (PREVIOUS_VERSION, SCHEMA_VERSION)
 
 
-# -- the previous version (3), written for peers that speak only it --------------------------------
-#: Version 3 named a payload by 16 bytes of digest, this build by 8. A v3 peer only ever names a
-#: payload this build sent it, so the 8-byte digest travels padded with zeros and comes back whole.
-V3_DIGEST_PAD = bytes(8)
-#: body fields version 3 has no place for: written to a v3 peer only while they hold their default
-#: (v3 bodies are ``extra="forbid"``); a message that needs them cannot be said in version 3
-V3_ABSENT: dict[type[_Body], tuple[str, ...]] = {
-    RoundOpen: ("layouts",),
-    Receipt: ("telemetry_bytes", "refused"),
-}
-
-
-def _v3_body(body: _Body) -> dict[str, Any]:
-    """The body as version 3 wrote it: a map of its fields (``model_dump``, tensor buffers kept as
-    they are), the task key in hex, payload digests 16 bytes long."""
-    out = body.model_dump()
-    for name in V3_ABSENT.get(type(body), ()):
-        if not _is_default(body, name):
-            raise ValueError(f"{type(body).__name__}.{name} cannot be said in schema version 3")
-        del out[name]
-    if isinstance(body, Payload | Fetch):
-        out["digest"] = body.digest + V3_DIGEST_PAD
-    if isinstance(body, Task):
-        out["payload"] = body.payload + V3_DIGEST_PAD if body.payload else b""
-        out["key"] = body.key.hex()
-    return out
-
-
-def _from_v3(kind: Kind, fields: Any) -> Any:
-    """A version 3 body as this build's models take it: a padded digest back to this build's 8
-    bytes, the hex task key to bytes. Anything else is left to the model to refuse (``schema``)."""
-    if not isinstance(fields, dict):
-        return fields
-    model = BODY_MODELS[kind]
-    digests = ("digest",) if model in (Payload, Fetch) else ("payload",) if model is Task else ()
-    for name in digests:
-        value = fields.get(name)
-        if isinstance(value, bytes) and len(value) == 16 and value.endswith(V3_DIGEST_PAD):
-            fields[name] = value[:8]
-    if model is Task and isinstance(fields.get("key"), str):
-        try:
-            fields["key"] = bytes.fromhex(fields["key"])
-        except ValueError:
-            raise codec.CodecError("malformed", "task key: not hex") from None
-    return fields
-
-
-def _encode_v3(kind: Kind, body: _Body, *, exp: str, round: int, sender: str, inc: str, key: str) -> bytes:
-    """One message in version 3, as a build of that version (e.g. e1dfd54) reads it: the envelope a
-    msgpack *map* with the experiment id in full and a message ``id``, the body a packed map; with
-    ``key``, the version 3 MAC (kind, experiment, round, incarnation and body; no telemetry)."""
-    packed = codec.packb(_v3_body(body))
-    env: dict[str, Any] = {
-        "v": PREVIOUS_VERSION,
-        "kind": kind.value,
-        "exp": exp,
-        "inc": inc,
-        "round": round,
-        "sender": sender,
-        "id": uuid.uuid4().hex,
-        "body": packed,
-    }
-    if key:
-        env["mac"] = _mac(key, PREVIOUS_VERSION, kind, exp, round, inc, packed, b"")
-    return codec.packb(env)
-
-
 def transcode(data: bytes, version: int, *, exp: str, layouts: Mapping[bytes, Any] | None = None) -> bytes:
     """``data`` (a message this service encoded) rewritten in schema ``version``.
 
@@ -713,6 +699,8 @@ def transcode(data: bytes, version: int, *, exp: str, layouts: Mapping[bytes, An
     :class:`shared.schemas.peers.PeerVersions`), after the code that built the message, so that code
     needs no version of its own. A message with a MAC is refused: its MAC covers its bytes, and only
     a device, with its task key, may make one (the server's messages to hosts carry none).
+    ``layouts``: the ones the message's tensor sets may name; rewritten, a tensor set carries its
+    layout inline (the addressee may not know it: it learns layouts from what it is sent).
     """
     env, body = decode(data, max_bytes=len(data), exp=exp, layouts=layouts)
     if env.v == version:
@@ -723,7 +711,7 @@ def transcode(data: bytes, version: int, *, exp: str, layouts: Mapping[bytes, An
 
 
 def _envelope(raw: Any) -> Envelope:
-    version = raw.get("v") if isinstance(raw, dict) else raw[0] if isinstance(raw, list) and raw else None
+    version = raw[0] if isinstance(raw, list) and raw else raw.get("v") if isinstance(raw, dict) else None
     if version not in ACCEPTED_VERSIONS:
         newer = isinstance(version, int) and version > SCHEMA_VERSION
         raise DecodeError(
@@ -732,19 +720,16 @@ def _envelope(raw: Any) -> Envelope:
             f"{', '.join(map(str, ACCEPTED_VERSIONS))}){'; upgrade this service' if newer else ''}",
         )
     try:
-        if version == PREVIOUS_VERSION:  # a map, the experiment id in full, a message id
-            if isinstance(raw, dict):
-                raw.pop("id", None)
-                raw["exp_tag"] = exp_tag(raw["exp"]) if isinstance(raw.get("exp"), str) else -1
-            return Envelope.model_validate(raw)
         if not isinstance(raw, list) or not 7 <= len(raw) <= 9:
             raise DecodeError("schema", "envelope: expected an array of 7 to 9 fields")
         v, code, tag, inc, rnd, sender, body, *rest = raw
         kind = _KINDS_BY_CODE.get(code) if type(code) is int else None
         if kind is None:
             raise DecodeError("schema", f"envelope: unknown message kind {code!r}")
+        if v == SCHEMA_VERSION and type(inc) is int and 0 <= inc < 1 << 8 * INC_BYTES:
+            inc = inc.to_bytes(INC_BYTES, "big")
         if not isinstance(inc, bytes) or len(inc) > 32:
-            raise DecodeError("schema", "envelope: the incarnation must be a short bin")
+            raise DecodeError("schema", "envelope: the incarnation must be a short bin or a 32-bit int")
         return Envelope.model_validate(
             {
                 "v": v,
@@ -760,6 +745,36 @@ def _envelope(raw: Any) -> Envelope:
         )
     except ValidationError as err:
         raise DecodeError("schema", f"envelope: {_short(err)}") from None
+
+
+#: Issue 16's budget: a device's message (task, update) carries at most this many bytes beyond its
+#: tensors' information (:func:`information_bytes`) and its telemetry. ``benchmarks/bench_envelope.py``
+#: reports it; ``tests/test_contract.py`` holds every algorithm to it.
+DEVICE_ENVELOPE_BUDGET = 64
+
+
+def _buffers(obj: Any) -> Iterator[int]:
+    """Lengths of every raw buffer inside an encoded tensor (codec layout v1)."""
+    if isinstance(obj, bytes | bytearray | memoryview):
+        yield len(obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _buffers(v)
+    elif isinstance(obj, list | tuple):
+        for v in obj:
+            yield from _buffers(v)
+
+
+def information_bytes(body: Any) -> int:
+    """The information in a decoded body: its tensors' raw buffers (dense data; mask + values;
+    indices + values; per-axis indices + values: what no encoding can avoid), and a task's config
+    (the device's own instructions — which layers to train, its sub-model; packed as msgpack).
+    Everything else in a message is envelope (see :data:`DEVICE_ENVELOPE_BUDGET`)."""
+    tensors = getattr(body, "tensors", None) or {}
+    total = sum(sum(_buffers(t)) for t in tensors.values())
+    if isinstance(body, Task) and body.config:
+        total += len(codec.packb(body.config))
+    return total
 
 
 def message_parts(data: bytes) -> Envelope:
