@@ -642,6 +642,9 @@ def run_processes(
     """
     cluster = ProcessCluster(url, run_id, config or run_dir / "config.yaml", run_dir)
     cluster.standard(cfg, aggregators=aggregators, clients=clients, base_port=base_port, force=force)
+    # every service of the run is started: the fork server goes, and with it the pages only it still
+    # maps (those its services have since written to; the pages they share stay theirs)
+    cluster.close_zygote()
     (run_dir / "ports.json").write_text(json.dumps(cluster.ports, indent=2))
     rc = 0
     try:

@@ -60,6 +60,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: start-up imports (``services.cli`` imports them lazily, inside the commands). Imports only.
 PRELOAD = (
     "numpy",
+    "numpy.random",  # seeds its legacy global RNG at import: re-seeded in each service (_become)
     "torch",
     "pika",
     "prometheus_client",
@@ -261,9 +262,8 @@ def _become(request: dict[str, Any], keep: tuple[int, ...]) -> None:
         role = argv[0] if argv else module
         ident = argv[argv.index("--id") + 1] if "--id" in argv[:-1] else role
         set_cmdline([sys.executable, "-m", module, *argv], name=ident)
-        import numpy as np
-
-        np.random.seed()  # fresh entropy, as a fresh interpreter's numpy would have
+        if "numpy.random" in sys.modules:  # seeded in the zygote: every service would repeat it
+            sys.modules["numpy.random"].seed()  # fresh entropy, as in a new interpreter
         sys.argv = [module, *argv]  # run_module puts the module's file in sys.argv[0]
         # runpy warns that the module was imported before it ran as __main__: the zygote preloaded
         # it on purpose (a new interpreter would import it again from the same file)
