@@ -39,6 +39,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import gc
 import importlib
 import json
 import os
@@ -73,6 +74,10 @@ PRELOAD = (
     "shared.algorithms.training",
     "shared.metrics",
     "shared.transport.amqp",
+    # the first ``torch.optim`` optimizer a process makes imports torch._dynamo (~800 modules, sympy
+    # among them: 4 s on a quiet machine, 10-20 s at load 10). Imported here, it is shared, and no
+    # host stalls in its first round (long enough, on a busy machine, to miss its heartbeats)
+    "torch._dynamo",
 )
 
 #: the roles the orchestrator starts from the zygote: the ones that import torch (an aggregator of
@@ -342,6 +347,11 @@ def serve() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the services; stdin's EOF ends us
     for module in PRELOAD:
         importlib.import_module(module)
+    # what the gc module's docs advise before fork without exec: collect once, then move every
+    # object into the permanent generation, so that no collection in a service writes to the
+    # zygote's objects (which would copy their pages) or spends time walking them
+    gc.collect()
+    gc.freeze()
     threads = len(os.listdir("/proc/self/task"))
     print(json.dumps({"event": "zygote_ready", "preloaded": len(sys.modules), "os_threads": threads}))
     keep = (proto_in.fileno(), proto_out.fileno())
