@@ -8,8 +8,9 @@ splits them instead of counting them once per process. Android's zygote and mult
 
 How (Linux only):
 
-* :class:`ForkServer` (the orchestrator's side) starts ``python -m services.zygote`` as its child,
-  after marking the orchestrator a *child subreaper* (``PR_SET_CHILD_SUBREAPER``).
+* :class:`ForkServer` (the orchestrator's side) starts ``python -m services.zygote`` as its child;
+  the orchestrator is a *child subreaper* (``PR_SET_CHILD_SUBREAPER``) while it starts the zygote
+  and while each fork is under way, and only then.
 * The zygote imports :data:`PRELOAD` — imports only: no tensor is made and no thread pool is used,
   so the fork is from a single-threaded process (torch's intra-op pool is OpenMP; a pool that ran
   before a fork can hang the child) — then reads one JSON request per line on its stdin.
@@ -105,14 +106,16 @@ def _prctl(option: int, arg: int | bytes) -> bool:
     return bool(libc.prctl(option, arg, 0, 0, 0) == 0)
 
 
-def become_subreaper() -> bool:
-    """Make this process the reaper of its orphaned descendants (False: the kernel refused).
+def subreaper(on: bool) -> bool:
+    """Make this process the reaper of its orphaned descendants, or no longer (False: refused).
 
     Why: the services the zygote forks are re-parented here, so this process can wait for them.
-    Side effect: any other orphaned descendant is re-parented here too (it stays a zombie until this
-    process exits, as it would under init until init reaped it).
+    Only for as long as a fork takes (:meth:`ForkServer.spawn`): any other descendant orphaned while
+    this process is a subreaper is re-parented here too, and nobody here would reap it (Erlang's
+    ``inet_gethost`` helpers of ``rabbitmqctl`` piled up as zombies under pytest when this was
+    permanent).
     """
-    return sys.platform == "linux" and _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    return sys.platform == "linux" and _prctl(_PR_SET_CHILD_SUBREAPER, 1 if on else 0)
 
 
 def forkable(role: str, env: dict[str, str], zygote_env: dict[str, str]) -> bool:
@@ -163,8 +166,9 @@ class ForkServer:
     """
 
     def __init__(self, env: dict[str, str], log: Path, *, start_timeout_s: float = 300) -> None:
-        if not become_subreaper():
+        if not (subreaper(True) and subreaper(False)):  # whether it can, before anything starts
             raise ForkServerError("this process cannot become a child subreaper (Linux only)")
+        self._ready = False
         self.env = dict(env)
         self.log = log
         self.start_timeout_s = start_timeout_s
@@ -186,20 +190,31 @@ class ForkServer:
         """Fork ``python -m <module> <argv>`` with stdout/stderr to ``log``; its ``Popen``."""
         request = {"module": module, "argv": argv, "log": str(log), "env": env, "cwd": str(cwd)}
         with self._lock:
-            assert self.proc.stdin is not None and self.proc.stdout is not None
+            if not self._ready:  # the zygote's preload: seconds, outside the subreaper window
+                self._read_line()
+                self._ready = True
+            assert self.proc.stdin is not None
+            subreaper(True)
             try:
                 self.proc.stdin.write(json.dumps(request).encode() + b"\n")
                 self.proc.stdin.flush()
+                reply = self._read_line()
             except BrokenPipeError:
                 raise ForkServerError(self._died()) from None
-            ready, _, _ = select.select([self.proc.stdout], [], [], self.start_timeout_s)
-            line = self.proc.stdout.readline() if ready else b""
-        if not line:
-            raise ForkServerError(self._died() if ready else f"no answer in {self.start_timeout_s} s")
-        reply = json.loads(line)
+            finally:
+                subreaper(False)
         if "pid" not in reply:
             raise ForkServerError(str(reply.get("error")))
         return adopt(int(reply["pid"]), [sys.executable, "-m", module, *argv])
+
+    def _read_line(self) -> dict[str, Any]:
+        """The zygote's next JSON line (its readiness, or a reply)."""
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], self.start_timeout_s)
+        line = self.proc.stdout.readline() if ready else b""
+        if not line:
+            raise ForkServerError(self._died() if ready else f"no answer in {self.start_timeout_s} s")
+        return dict(json.loads(line))
 
     def _died(self) -> str:
         rc = self.proc.wait(5)
@@ -354,6 +369,8 @@ def serve() -> int:
     gc.freeze()
     threads = len(os.listdir("/proc/self/task"))
     print(json.dumps({"event": "zygote_ready", "preloaded": len(sys.modules), "os_threads": threads}))
+    proto_out.write(b'{"ready": true}\n')
+    proto_out.flush()
     keep = (proto_in.fileno(), proto_out.fileno())
     for line in proto_in:
         try:

@@ -178,3 +178,19 @@ def test_the_setting_turns_the_fork_server_off(broker_url: str, experiment_id: s
         env = dict(os.environ, FEDFLEET_FORK_SERVER=value)
         pc = ProcessCluster(broker_url, experiment_id, config, tmp_path / "run", env=env)
         assert pc.fork_server is expected
+
+
+def test_other_orphans_are_not_adopted_outside_a_fork(zygote: ForkServer, tmp_path: Path) -> None:
+    """This process is a subreaper only while a fork is under way: a process orphaned at any other
+    time goes to init as before, not to this process (which would never reap it: a zombie)."""
+    p = zygote.spawn(
+        ["draw", str(tmp_path / "d")], tmp_path / "d.log", dict(os.environ), ROOT, module="tests.zygote_probe"
+    )
+    assert p.wait(60) == 0
+    sh = subprocess.run(["sh", "-c", "sleep 30 & echo $!"], capture_output=True, text=True, check=True)
+    orphan = int(sh.stdout)
+    try:
+        ppid = int(Path(f"/proc/{orphan}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        assert ppid != os.getpid()
+    finally:
+        os.kill(orphan, signal.SIGKILL)
