@@ -462,7 +462,8 @@ class ProcessCluster:
         """The fork server to start ``argv`` from (started on first use), or None: a subprocess."""
         from services.zygote import ForkServer, ForkServerError, forkable
 
-        if not self.fork_server or not forkable(argv[0], env, self.env):
+        # against the zygote's own environment once it runs (a caller may change ``self.env`` later)
+        if not self.fork_server or not forkable(argv[0], env, self._zygote.env if self._zygote else self.env):
             return None
         if self._zygote is None:
             try:
