@@ -183,6 +183,9 @@ def _roles(parent: int, *, broker: bool) -> dict[int, str]:
 
     The broker (``beam.smp``) is counted whole, so on a shared machine it includes other users'
     traffic; on a quiet machine it is this run's broker cost. It is left out for ``inproc`` runs.
+    Services forked by the fork server (``services/zygote.py``) are the CLI's children too (it is
+    their subreaper) and show ``python -m services.cli <role> ...`` as their command line; the fork
+    server itself is the role ``zygote`` (it holds the pages they share).
     """
     roles = {parent: "cli"}
     for entry in Path("/proc").iterdir():
@@ -195,6 +198,8 @@ def _roles(parent: int, *, broker: bool) -> dict[int, str]:
             continue
         if ppid == parent and args[1:3] == ["-m", "services.cli"] and len(args) > 3:
             roles[int(entry.name)] = args[3]  # server | aggregator | client
+        elif ppid == parent and args[1:3] == ["-m", "services.zygote"]:
+            roles[int(entry.name)] = "zygote"
         elif broker and args and args[0].endswith("beam.smp"):
             roles[int(entry.name)] = "broker"
     return roles
@@ -294,7 +299,7 @@ def step_count(sizes: Sequence[int], transports: Sequence[str]) -> int:
     return len(sizes) * (1 + len(transports))
 
 
-ROLES = ("server", "aggregator", "client", "broker", "cli")
+ROLES = ("server", "aggregator", "client", "zygote", "broker", "cli")
 
 
 def _cpu_row(n: int, s: Series, floor_cpu_ms: float, cores: int) -> str:

@@ -168,11 +168,8 @@ def _names(roles: dict[int, str]) -> dict[int, str]:
         for i, a in enumerate(args):
             if a == b"--id" and i + 1 < len(args):
                 ident = args[i + 1].decode()
-        out[pid] = (
-            f"{role} {ident}".strip()
-            if role not in ("cli", "broker")
-            else ("fedfleet run" if role == "cli" else "broker")
-        )
+        fixed = {"cli": "fedfleet run", "broker": "broker", "zygote": "fork server"}
+        out[pid] = fixed.get(role) or f"{role} {ident}".strip()
     return out
 
 

@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # torch stays out of the import path of ``fedfleet run``'s pa
     from services.client.service import Client
     from services.common import ServiceBase
     from services.server.service import Server
+    from services.zygote import ForkServer
     from shared.experiment import Experiment
     from shared.transport import Transport
 
@@ -331,13 +332,25 @@ class ServiceProcess:
     """One service as an OS process (``python -m services.cli ...``) with its log file; killable
     like a real crash."""
 
-    def __init__(self, name: str, argv: list[str], log: Path, env: dict[str, str]) -> None:
+    def __init__(
+        self, name: str, argv: list[str], log: Path, env: dict[str, str], *, zygote: ForkServer | None = None
+    ) -> None:
+        """``zygote``: fork the service from this fork server instead of starting a new interpreter
+        (``services/zygote.py``); ``.p`` is a ``subprocess.Popen`` either way."""
         self.name = name
         self.log = log
         self._fh = log.open("wb")
-        self.p = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", *argv], stdout=self._fh, stderr=self._fh, env=env, cwd=ROOT
-        )
+        self.forked = zygote is not None
+        if zygote is not None:
+            self.p = zygote.spawn(argv, log, env, ROOT)
+        else:
+            self.p = subprocess.Popen(
+                [sys.executable, "-m", "services.cli", *argv],
+                stdout=self._fh,
+                stderr=self._fh,
+                env=env,
+                cwd=ROOT,
+            )
 
     @property
     def returncode(self) -> int | None:
@@ -371,6 +384,17 @@ class ServiceProcess:
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
+
+
+def _fork_server_setting(env: dict[str, str]) -> bool:
+    """``Settings.fork_server`` as ``env`` (the cluster's environment, not this process's) sets it."""
+    from pydantic import TypeAdapter
+
+    from shared.config import Settings
+
+    raw = env.get("FEDFLEET_FORK_SERVER")
+    default = bool(Settings.model_fields["fork_server"].default)
+    return default if raw is None else TypeAdapter(bool).validate_python(raw)
 
 
 def free_ports(n: int) -> list[int]:
@@ -419,6 +443,7 @@ class ProcessCluster:
         logs: Path | None = None,
         state_dir: Path | None = None,
         env: dict[str, str] | None = None,
+        fork_server: bool | None = None,
     ) -> None:
         self.url, self.experiment_id, self.config, self.run_dir = url, experiment_id, config, run_dir
         self.logs = logs or run_dir / "logs"
@@ -428,6 +453,32 @@ class ProcessCluster:
         self.procs: list[ServiceProcess] = []
         self.ports: dict[str, int] = {}
         self.env = dict(env if env is not None else os.environ, RABBITMQ_URL=url, PYTHONPATH=str(ROOT))
+        #: start the server and the client hosts from a fork server that has imported torch once, so
+        #: that they share its pages (``services/zygote.py``); ``FEDFLEET_FORK_SERVER`` in ``env``
+        self.fork_server = fork_server if fork_server is not None else _fork_server_setting(self.env)
+        self._zygote: ForkServer | None = None
+
+    def _zygote_for(self, argv: list[str], env: dict[str, str]) -> ForkServer | None:
+        """The fork server to start ``argv`` from (started on first use), or None: a subprocess."""
+        from services.zygote import ForkServer, ForkServerError, forkable
+
+        # against the zygote's own environment once it runs (a caller may change ``self.env`` later)
+        if not self.fork_server or not forkable(argv[0], env, self._zygote.env if self._zygote else self.env):
+            return None
+        if self._zygote is None:
+            try:
+                self._zygote = ForkServer(self.env, self.logs / "zygote.log")
+            except (ForkServerError, OSError) as err:  # e.g. not Linux: every service a subprocess
+                console.print(f"[yellow]no fork server ({err}); starting services as subprocesses[/yellow]")
+                self.fork_server = False
+                return None
+        return self._zygote
+
+    def close_zygote(self) -> None:
+        """End the fork server (the services it started go on; nothing more can be forked)."""
+        if self._zygote is not None:
+            self._zygote.close()
+            self._zygote = None
 
     def start(
         self, name: str, argv: list[str], metrics_port: int = 0, *, env: dict[str, str] | None = None
@@ -435,7 +486,9 @@ class ProcessCluster:
         """Start ``python -m services.cli <argv>`` for this experiment; ``env`` adds to the cluster's."""
         common = ["--config", str(self.config), "--experiment", self.experiment_id]
         argv = [*argv, *common, "--metrics-port", str(metrics_port)]
-        proc = ServiceProcess(name, argv, self.logs / f"{name}.log", {**self.env, **(env or {})})
+        full_env = {**self.env, **(env or {})}
+        zygote = self._zygote_for(argv, full_env)
+        proc = ServiceProcess(name, argv, self.logs / f"{name}.log", full_env, zygote=zygote)
         self.procs.append(proc)
         if metrics_port:
             self.ports[name] = metrics_port
@@ -504,6 +557,7 @@ class ProcessCluster:
     def stop_all(self) -> None:
         for p in self.procs:
             p.stop()
+        self.close_zygote()
 
     def client_queues(self) -> list[str]:
         from shared.transport import names
@@ -567,6 +621,7 @@ class ProcessCluster:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=max(0.1, deadline - time.time()))
             proc.stop(timeout=0.1)
+        self.close_zygote()
 
 
 def run_processes(
@@ -588,6 +643,9 @@ def run_processes(
     """
     cluster = ProcessCluster(url, run_id, config or run_dir / "config.yaml", run_dir)
     cluster.standard(cfg, aggregators=aggregators, clients=clients, base_port=base_port, force=force)
+    # every service of the run is started: the fork server goes, and with it the pages only it still
+    # maps (those its services have since written to; the pages they share stay theirs)
+    cluster.close_zygote()
     (run_dir / "ports.json").write_text(json.dumps(cluster.ports, indent=2))
     rc = 0
     try:

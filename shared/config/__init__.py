@@ -520,3 +520,9 @@ class Settings(BaseSettings):
     #: are cached; unset: ``$XDG_CACHE_HOME/fedfleet`` (``~/.cache/fedfleet``). Derived data only,
     #: safe to delete; processes of one machine share it.
     cache_dir: Path | None = None
+    #: ``fedfleet run`` (and every ``ProcessCluster``) forks the server and the client hosts from one
+    #: process that has imported torch and the services once, so that they share those pages
+    #: (``services/zygote.py``; ~146 MB of torch per process otherwise, see
+    #: benchmarks/results-scale.md). ``false``: each service is a new interpreter. Linux only; elsewhere
+    #: the services are always new interpreters
+    fork_server: bool = True
