@@ -234,7 +234,11 @@ class AmqpTransport(Transport):
             self._start_consumer(queue, handler, prefetch)
 
     def _declare_dead_letter_queue(self, ch: BlockingChannel) -> None:
-        args = queue_arguments(self.options.queue_type, None, None, self.options.queue_mode)
+        """Declare the dead-letter queue as the broker's own definitions declare it (k8s/base/rabbitmq:
+        it exists from the broker's boot). Never lazy: a redeclaration whose ``x-queue-mode`` differs
+        is refused (406), and the queue holds only rejected messages, so keeping them in RAM costs little.
+        """
+        args = queue_arguments(self.options.queue_type, None, None, "default")
         ch.queue_declare(self.names.dead_letter_queue, durable=True, arguments=args or None)
         ch.queue_bind(self.names.dead_letter_queue, self.names.dead_letter_exchange)
 
