@@ -481,7 +481,8 @@ class Settings(BaseSettings):
     #: updates, 364 MiB, waiting in the updates queue: docs/broker.md). The price is a disk write and
     #: read per message. ``default``: RabbitMQ keeps bodies in RAM too, as before this setting; use it
     #: to re-declare queues made before it existed (a changed mode is refused with 406). Quorum queues
-    #: and the dead-letter queue (declared by the Kubernetes broker's definitions) take no mode. Every process of a deployment must use the same mode.
+    #: and the dead-letter queue (declared by the Kubernetes broker's definitions) take no mode.
+    #: Every process of a deployment must use the same mode.
     rabbitmq_queue_mode: Literal["default", "lazy"] = Field(
         default="lazy", validation_alias="RABBITMQ_QUEUE_MODE"
     )
