@@ -179,6 +179,20 @@ REPRODUCTIONS: dict[str, Reproduction] = {
                 ("--alphas", "0.001", "--variants", "SpaFL thresholds only"),
                 configs=("experiments/spafl_digits.yaml",),
             ),
+            # check 5 at the papers' model scale: LeNet-5 without biases on Fashion-MNIST
+            Block(
+                "spafl-results-thresholds-fashion",
+                "benchmarks/spafl_experiment.py",
+                (
+                    "--config",
+                    "experiments/spafl_fashion.yaml",
+                    "--alphas",
+                    "0.001",
+                    "--variants",
+                    "SpaFL thresholds only",
+                ),
+                configs=("experiments/spafl_fashion.yaml",),
+            ),
         ),
         baselines=("local",),
     ),
