@@ -13,7 +13,10 @@ The values are the ones the dict held: equal ``DeviceInfo`` objects for the same
 from __future__ import annotations
 
 import operator
+import threading
 from collections.abc import Iterator, Mapping, Sequence
+
+import numpy as np
 
 from shared.data.partitioning import Partition
 from shared.devices import Device, LazyFleet
@@ -78,3 +81,44 @@ class DeviceRegistry(Mapping[int, DeviceInfo]):
         for d in self._fleet:
             counts[d.tier] = counts.get(d.tier, 0) + 1
         return counts
+
+
+class DeviceNeed(Mapping[int, int]):
+    """``device id → bytes its largest task may need on a host``: its memory budget, at most the
+    full model's training footprint (admission refuses anything above the budget, and no task is
+    larger than the full model).
+
+    Why a view made on first use: a dict of it held ~90 bytes per registered device in the server
+    (issue 16), and making it reads every device's profile (seconds at 100,000 devices), though the
+    lease table asks for it only when a host says how much memory it has. The first lookup fills
+    one ``int64`` array for the whole fleet (8 bytes per device); later ones read it.
+    """
+
+    def __init__(self, fleet: Sequence[Device], full_footprint_bytes: int) -> None:
+        self._fleet = fleet
+        self._full = full_footprint_bytes
+        self._values: np.ndarray | None = None
+        self._lock = threading.Lock()
+
+    def _array(self) -> np.ndarray:
+        with self._lock:
+            if self._values is None:
+                self._values = np.fromiter(
+                    (min(d.profile.memory_bytes, self._full) for d in self._fleet),
+                    dtype=np.int64,
+                    count=len(self._fleet),
+                )
+            return self._values
+
+    def __len__(self) -> int:
+        return len(self._fleet)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(len(self._fleet)))
+
+    def __getitem__(self, device: int) -> int:
+        if isinstance(device, bool) or not isinstance(device, int | np.integer):
+            raise KeyError(device)
+        if not 0 <= device < len(self._fleet):
+            raise KeyError(device)
+        return int(self._array()[device])

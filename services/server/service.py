@@ -43,7 +43,7 @@ from services.common import MessageHandler, ServiceBase, decode_tensors
 from services.server import checkpoint, fanout
 from services.server.leases import Leases
 from services.server.ledger import RoundOutcome, RunLedger
-from services.server.registry import DeviceRegistry
+from services.server.registry import DeviceNeed, DeviceRegistry
 from services.server.round import EvaluationState, Phase, RepeatPolicy, RoundState
 from shared import metrics
 from shared.algorithms.base import Partial, ServerState, TaskSpec, derive_seed
@@ -214,11 +214,11 @@ class Server(ServiceBase):
         return DeviceRegistry(exp.fleet, exp.partitions)
 
     @staticmethod
-    def _host_need(exp: Experiment) -> dict[int, int]:
+    def _host_need(exp: Experiment) -> DeviceNeed:
         """Memory a device's largest task may take on its host: its budget, at most the full model
-        (admission refuses anything above the budget, and no task is larger than the full model)."""
-        full = exp.full_footprint_bytes
-        return {d.device_id: min(d.profile.memory_bytes, full) for d in exp.fleet}
+        (admission refuses anything above the budget, and no task is larger than the full model);
+        made on first use, as one array (``DeviceNeed``)."""
+        return DeviceNeed(exp.fleet, exp.full_footprint_bytes)
 
     def on_join(self, env: Envelope, msg: Join, d: Delivery) -> None:
         """A new client process asks for a broker user of its own (see ``shared.provision``)."""

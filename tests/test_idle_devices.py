@@ -1,0 +1,68 @@
+"""Idle registered devices cost next to nothing (issue 16): memory bounds on per-device state.
+
+Each process keeps something per registered device: the server its lease table, a client host the
+ids it serves, an aggregator each device's sample limit. These tests measure what that state holds
+for many devices (``tracemalloc``: Python objects and numpy buffers alike) and bound it per device,
+so a ``dict``/``set`` of Python ints (60-150 bytes per device) coming back fails here. Memory bounds,
+not timings.
+"""
+
+from __future__ import annotations
+
+import gc
+import tracemalloc
+from collections.abc import Callable
+from typing import Any, cast
+
+from services.server.hosts import HostTable
+from services.server.registry import DeviceNeed
+from shared.devices import LazyFleet, build_fleet
+
+N = 40_000
+
+
+def _retained(make: Callable[[], Any]) -> tuple[Any, int]:
+    """What ``make()`` returns and the bytes it still holds once made (its temporaries freed)."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        made = make()
+        gc.collect()
+        return made, tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+
+
+def test_the_lease_table_holds_a_few_bytes_per_device() -> None:
+    """The server's table after leasing every device to 4 hosts (as at registration): 4 bytes of
+    holder slot and 8 of host membership per device; dicts and sets of ints held ~250."""
+
+    def leased(n: int = N) -> HostTable:
+        table = HostTable(range(n))
+        for i in range(4):
+            table.heartbeat(f"client-{i}", 0.0)
+        table.rebalance()
+        for h in list(table.hosts.values()):
+            table.heartbeat(h.host_id, 0.0, epoch=table.epoch)
+        return table
+
+    leased(100)  # the modules balancing imports on first use (numpy's) are not the table's
+    table, held = _retained(leased)
+    assert held / N <= 24, f"{held / N:.1f} bytes per device"
+    # and it is the same table: every device once, balanced, all available
+    assert sorted(table.lease) == list(range(N)) and len(table.available()) == N
+    assert sorted(len(h.devices) for h in table.hosts.values()) == [N // 4] * 4
+    assert table.lease[5] == table.host_of(5) and 5 in table.hosts[table.lease[5]].devices
+
+
+def test_the_memory_each_device_needs_is_made_on_first_use_as_one_array() -> None:
+    fleet = cast(
+        LazyFleet,
+        build_fleet({"preset": "mobile"}, 300, full_footprint_bytes=3_000_000, seed=1, lazy=True),
+    )
+    need = DeviceNeed(fleet, 3_000_000)
+    assert need._values is None  # nothing made until a host with a memory limit asks
+    expected = {d.device_id: min(d.profile.memory_bytes, 3_000_000) for d in fleet}
+    assert dict(need) == expected and need.get(10**6, 0) == 0
+    assert need._values is not None and need._values.nbytes == 8 * 300
