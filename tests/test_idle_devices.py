@@ -12,11 +12,17 @@ from __future__ import annotations
 import gc
 import tracemalloc
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any, cast
 
+import pytest
+
+from services.aggregator.service import registered_samples
 from services.server.hosts import HostTable
 from services.server.registry import DeviceNeed
+from shared.data.partitioning import SampledPartition
 from shared.devices import LazyFleet, build_fleet
+from shared.experiment import Experiment
 
 N = 40_000
 
@@ -66,3 +72,13 @@ def test_the_memory_each_device_needs_is_made_on_first_use_as_one_array() -> Non
     expected = {d.device_id: min(d.profile.memory_bytes, 3_000_000) for d in fleet}
     assert dict(need) == expected and need.get(10**6, 0) == 0
     assert need._values is not None and need._values.nbytes == 8 * 300
+
+
+def test_an_aggregator_keeps_no_sample_limit_per_device() -> None:
+    partitions = SampledPartition(pool=1000, num_devices=N, per_device=6, seed=0)
+    exp = cast(Experiment, SimpleNamespace(partitions=partitions, cfg=SimpleNamespace(num_devices=N)))
+    limits, held = _retained(lambda: registered_samples(exp))
+    assert held / N <= 1, f"{held / N:.1f} bytes per device"
+    assert len(limits) == N and limits[N - 1] == 6 and limits.get(N) is None
+    with pytest.raises(KeyError):
+        _ = limits[-1]
