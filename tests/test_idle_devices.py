@@ -22,7 +22,7 @@ from services.server.hosts import HostTable
 from services.server.registry import DeviceNeed
 from shared.data.partitioning import SampledPartition
 from shared.devices import LazyFleet, build_fleet
-from shared.experiment import Experiment
+from shared.experiment import Experiment, HostedData
 
 N = 40_000
 
@@ -74,6 +74,21 @@ def test_the_memory_each_device_needs_is_made_on_first_use_as_one_array() -> Non
     assert need._values is not None and need._values.nbytes == 8 * 300
 
 
+def test_a_host_holds_a_byte_per_fleet_device_for_the_devices_it_serves() -> None:
+    """A host serving a quarter of the fleet: one flag per fleet device, not a set of ints."""
+    exp = cast(Experiment, SimpleNamespace(cfg=SimpleNamespace(num_devices=4 * N)))
+
+    def serving() -> HostedData:
+        hosted = HostedData(exp)
+        for d in range(0, 4 * N, 4):
+            hosted.add(d)
+        return hosted
+
+    hosted, held = _retained(serving)
+    assert held / N <= 8, f"{held / N:.1f} bytes per served device"
+    assert len(hosted) == N and 8 in hosted and 9 not in hosted and list(hosted)[:3] == [0, 4, 8]
+
+
 def test_an_aggregator_keeps_no_sample_limit_per_device() -> None:
     partitions = SampledPartition(pool=1000, num_devices=N, per_device=6, seed=0)
     exp = cast(Experiment, SimpleNamespace(partitions=partitions, cfg=SimpleNamespace(num_devices=N)))
@@ -82,3 +97,15 @@ def test_an_aggregator_keeps_no_sample_limit_per_device() -> None:
     assert len(limits) == N and limits[N - 1] == 6 and limits.get(N) is None
     with pytest.raises(KeyError):
         _ = limits[-1]
+
+
+def test_making_a_device_without_the_cache_gives_the_same_device_and_keeps_none() -> None:
+    """A host taking a lease makes each new device's profile once; it must not fill the cache the
+    round's devices use (at 100,000 devices: 4,096 idle profiles of ~2 KB in every host)."""
+    fleet = cast(
+        LazyFleet,
+        build_fleet({"preset": "mobile"}, 50, full_footprint_bytes=3_000_000, seed=1, lazy=True),
+    )
+    made = [fleet.make(d) for d in range(50)]
+    assert len(fleet._recent) == 0
+    assert made == [fleet[d] for d in range(50)]
