@@ -215,11 +215,16 @@ class HostTable:
     # -- what the server reads ---------------------------------------------------------------------
     def available(self) -> list[int]:
         """Devices leased to a live host that has applied the lease: safe to send a task to."""
+        return self.available_ids().tolist()
+
+    def available_ids(self) -> np.ndarray:
+        """``available()`` as a sorted ``int64`` array: 8 bytes per device where a list of ints
+        takes ~36 (the server reads it for every registered device each round)."""
         ok = np.zeros(len(self._slots) + 1, dtype=bool)  # the last entry: slot -1, no host
         for host_id, slot in self._slot_of.items():
             h = self.hosts[host_id]
             ok[slot] = h.settled and not h.draining
-        return np.flatnonzero(ok[self._holder]).tolist()
+        return np.flatnonzero(ok[self._holder]).astype(np.int64, copy=False)
 
     def settled(self) -> bool:
         return all(h.settled for h in self.hosts.values())

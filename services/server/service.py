@@ -525,9 +525,14 @@ class Server(ServiceBase):
         first K finishers are kept. Returns (selected, number of registered devices offline).
         """
         rng = np.random.default_rng(derive_seed(self.cfg.seed, "select", round) % (2**32))
-        fleet = self.exp.fleet
-        registered = self.leases.table.available()
-        online = [d for d in registered if is_online(fleet[d], round, self.cfg.seed)]
+        fleet, seed = self.exp.fleet, self.cfg.seed
+        # arrays, not lists of ints: every registered device passes through here each round, and
+        # idle ones should cost next to nothing (issue 16); the same candidates in the same order
+        registered = self.leases.table.available_ids()
+        up = np.fromiter(
+            (is_online(fleet[d], round, seed) for d in registered), dtype=bool, count=len(registered)
+        )
+        online = registered[up]
         picked = over_select(online, self.cfg.devices_per_round, self.cfg.emulation.over_selection, rng)
         return sorted(int(x) for x in picked), len(registered) - len(online)
 
