@@ -426,7 +426,7 @@ class Server(ServiceBase):
         joined for a moment, so the first round does not go to whoever came first), or at the
         registration deadline with at least a round's worth of devices."""
         settled = self.leases.settle()
-        served, wanted = len(self.leases.table.available()), self.cfg.num_devices
+        served, wanted = len(self.leases.table.available_ids()), self.cfg.num_devices
         quiet = now - self.leases.table.last_join >= self.cfg.hosts.join_quiet_s
         if settled and served >= wanted and quiet:
             self._next()
@@ -654,7 +654,7 @@ class Server(ServiceBase):
         ended 0. (Devices offline by the emulation's availability model are another matter: they are
         served, just not online, and such a round opens as usual.)"""
         self.leases.settle()  # hosts that came back get their leases
-        if self.leases.table.available():
+        if self.leases.table.available_ids().size:
             self._no_hosts_since = None
             return True
         now = time.time()
