@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import tracemalloc
 from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -109,3 +110,36 @@ def test_making_a_device_without_the_cache_gives_the_same_device_and_keeps_none(
     made = [fleet.make(d) for d in range(50)]
     assert len(fleet._recent) == 0
     assert made == [fleet[d] for d in range(50)]
+
+
+def test_the_devices_csv_of_a_large_fleet_is_written_without_an_object_per_device(tmp_path: Path) -> None:
+    """At the end of a run the server writes one row per registered device: the rows of untouched
+    devices are made as they are written, never all held at once (~300 bytes each as objects)."""
+    from services.server.ledger import RunLedger
+    from services.server.registry import DeviceRegistry
+    from shared.devices.fleet import PRESETS
+
+    tiers = PRESETS["mobile"]
+    names = list(tiers)
+    fleet = LazyFleet(
+        tiers, [names[d % len(names)] for d in range(N)], full_footprint_bytes=3_000_000, seed=0, where="t"
+    )
+    registry = DeviceRegistry(fleet, SampledPartition(pool=1000, num_devices=N, per_device=6, seed=0))
+    ledger = RunLedger("idle", "fedavg")
+    ledger.registered(registry)
+    ledger.stats(7).selected = 2  # a touched device keeps its statistics
+    small = RunLedger("warm-up", "fedavg")  # the first write imports the plotting modules
+    (tmp_path / "warm").mkdir()
+    small.write(tmp_path / "warm", {}, {}, None, "warm-up")
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        ledger.write(tmp_path, {}, {}, None, "idle")
+        peak = tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+    assert peak / N <= 60, f"{peak / N:.1f} bytes per device at the peak of the write"
+    lines = (tmp_path / "devices.csv").read_text().splitlines()
+    assert len(lines) == N + 1 and lines[8].startswith(f"7,{names[7 % len(names)]},2,")
+    assert [int(line.split(",")[0]) for line in lines[1:]] == list(range(N))
