@@ -143,3 +143,26 @@ def test_the_devices_csv_of_a_large_fleet_is_written_without_an_object_per_devic
     lines = (tmp_path / "devices.csv").read_text().splitlines()
     assert len(lines) == N + 1 and lines[8].startswith(f"7,{names[7 % len(names)]},2,")
     assert [int(line.split(",")[0]) for line in lines[1:]] == list(range(N))
+
+
+def test_who_is_online_from_the_kept_chances_is_who_is_online_from_the_profiles() -> None:
+    """Selection reads each device's p_online once into an array; the devices it finds online in a
+    round are the ones ``is_online`` finds, traced devices (which keep asking it) included."""
+    import numpy as np
+
+    from services.server.registry import OnlineChances
+    from shared.devices import is_online
+
+    lazy = build_fleet({"preset": "mobile"}, 400, full_footprint_bytes=3_000_000, seed=3, lazy=True)
+    listed = list(lazy)
+    for d in range(0, 400, 7):  # a few devices with an on/off trace, in a plain list fleet
+        listed[d] = listed[d].model_copy(
+            update={"profile": listed[d].profile.model_copy(update={"trace": [1, 0, 0]})}
+        )
+    ids = np.arange(400, dtype=np.int64)
+    for fleet in (lazy, listed):
+        chances = OnlineChances(fleet)
+        for rnd in range(1, 7):
+            expected = [is_online(fleet[d], rnd, 11) for d in range(400)]
+            assert chances.online(ids, rnd, 11).tolist() == expected
+    assert not is_online(listed[7], 2, 11)  # the trace has it offline in round 2: it counted

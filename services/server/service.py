@@ -43,12 +43,12 @@ from services.common import MessageHandler, ServiceBase, decode_tensors
 from services.server import checkpoint, fanout
 from services.server.leases import Leases
 from services.server.ledger import RoundOutcome, RunLedger
-from services.server.registry import DeviceNeed, DeviceRegistry
+from services.server.registry import DeviceNeed, DeviceRegistry, OnlineChances
 from services.server.round import EvaluationState, Phase, RepeatPolicy, RoundState
 from shared import metrics
 from shared.algorithms.base import Partial, ServerState, TaskSpec, derive_seed
 from shared.config import ExperimentConfig
-from shared.devices import dropout_point, is_online, over_select
+from shared.devices import dropout_point, over_select
 from shared.experiment import Experiment
 from shared.provision import BrokerAdmin, ProvisionError, new_host
 from shared.schemas import Decision as DecisionMsg
@@ -119,6 +119,8 @@ class Server(ServiceBase):
         self.incarnation = new_incarnation()  # random: tells this start from any other
         #: every device of the fleet, as strategies plan for it (tier, samples, profile), made on access
         self.registry: DeviceRegistry = self._device_infos(exp)
+        #: who is online in a round (selection), from each device's p_online read once
+        self.online_chances = OnlineChances(exp.fleet)
         self.leases = Leases(
             cfg.num_devices,
             self._host_need(exp),
@@ -525,14 +527,10 @@ class Server(ServiceBase):
         first K finishers are kept. Returns (selected, number of registered devices offline).
         """
         rng = np.random.default_rng(derive_seed(self.cfg.seed, "select", round) % (2**32))
-        fleet, seed = self.exp.fleet, self.cfg.seed
         # arrays, not lists of ints: every registered device passes through here each round, and
         # idle ones should cost next to nothing (issue 16); the same candidates in the same order
         registered = self.leases.table.available_ids()
-        up = np.fromiter(
-            (is_online(fleet[d], round, seed) for d in registered), dtype=bool, count=len(registered)
-        )
-        online = registered[up]
+        online = registered[self.online_chances.online(registered, round, self.cfg.seed)]
         picked = over_select(online, self.cfg.devices_per_round, self.cfg.emulation.over_selection, rng)
         return sorted(int(x) for x in picked), len(registered) - len(online)
 
