@@ -10,6 +10,7 @@ needs only the model's layout (``aggregation_strategy``) never imports it.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -197,31 +198,62 @@ class HostedData(Mapping[int, DeviceData]):
     read-only) dataset, so a served device that is not training holds no copy of its data, and the
     host's memory does not grow with the devices it serves (issue 16, lean processes). Slicing a few
     dozen samples costs microseconds next to a task's training.
+
+    The ids are one flag per device id (a boolean array, grown when an id beyond it comes): 1 byte
+    per device of the fleet instead of ~120 bytes per served device in a ``set`` of ints (a host
+    serves 25,000 of a 100,000-device fleet, issue 16).
     """
 
     def __init__(self, exp: Experiment) -> None:
         self._exp = exp
-        self._ids: set[int] = set()
+        self._served = np.zeros(exp.cfg.num_devices, dtype=bool)
+        self._count = 0
+
+    def _index(self, device: object) -> int | None:
+        """``device`` as an index of ``_served`` (None: not a device id, or beyond the array)."""
+        if isinstance(device, bool):
+            return None
+        try:
+            d = operator.index(device)  # type: ignore[arg-type]
+        except TypeError:
+            return None
+        return d if 0 <= d < len(self._served) else None
 
     def add(self, device: int) -> None:
-        self._ids.add(device)
+        d = operator.index(device)
+        if d < 0:
+            raise ValueError(f"device ids are >= 0, got {device}")
+        if d >= len(self._served):
+            grown = np.zeros(max(d + 1, len(self._served) + len(self._served) // 2), dtype=bool)
+            grown[: len(self._served)] = self._served
+            self._served = grown
+        if not self._served[d]:
+            self._served[d] = True
+            self._count += 1
 
     def __delitem__(self, device: int) -> None:
-        self._ids.remove(device)
+        d = self._index(device)
+        if d is None or not self._served[d]:
+            raise KeyError(device)
+        self._served[d] = False
+        self._count -= 1
 
     def clear(self) -> None:
-        self._ids.clear()
+        self._served[:] = False
+        self._count = 0
 
     def __contains__(self, device: object) -> bool:
-        return device in self._ids
+        d = self._index(device)
+        return d is not None and bool(self._served[d])
 
     def __getitem__(self, device: int) -> DeviceData:
-        if device not in self._ids:
+        if device not in self:
             raise KeyError(device)
         return self._exp.device_data(device)
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self._ids)
+        """The served ids, in increasing order."""
+        return iter(np.flatnonzero(self._served).tolist())
 
     def __len__(self) -> int:
-        return len(self._ids)
+        return self._count

@@ -43,7 +43,15 @@ from shared import metrics
 from shared.algorithms.base import DeviceContext, TaskSpec, UpdateSpec, derive_seed
 from shared.algorithms.device_state import atomic_write_bytes
 from shared.codec import tensorset
-from shared.devices import Device, admit, dropout_point, emulate_compute, emulate_transfer, transfer_seconds
+from shared.devices import (
+    Device,
+    LazyFleet,
+    admit,
+    dropout_point,
+    emulate_compute,
+    emulate_transfer,
+    transfer_seconds,
+)
 from shared.experiment import Experiment, HostedData
 from shared.schemas import (
     DeviceState,
@@ -269,9 +277,11 @@ class Client(ServiceBase):
         for dev in sorted(set(self.data) - devices):
             del self.data[dev]
             shutil.rmtree(self._device_dir(dev), ignore_errors=True)
+        fleet = self.fleet
         for dev in sorted(devices - set(self.data)):
             self.data.add(dev)
-            self._create_series(self.fleet[dev])
+            # made, not cached: the profiles a round's tasks need stay in the fleet's cache
+            self._create_series(fleet.make(dev) if isinstance(fleet, LazyFleet) else fleet[dev])
         self.log.info(
             "serving %d devices (lease %d)", len(self.data), self.epoch + 1, extra={"event": "lease_applied"}
         )

@@ -17,12 +17,60 @@ not bound yet.
 
 from __future__ import annotations
 
+import operator
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Set
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from shared.algorithms.device_state import atomic_write_bytes
+
+
+class DeviceSet(Set[int]):
+    """An immutable set of device ids held as one sorted ``int64`` array.
+
+    Why not a ``set[int]``: a host's lease lists a quarter of a 100,000-device fleet, and a Python
+    set of ints costs ~70 bytes per member (its table plus an int object each) where this costs 8
+    (issue 16: an idle registered device should cost next to nothing). It compares equal to a
+    ``set`` with the same members, so code and tests that read a host's devices as a set still work.
+    """
+
+    __slots__ = ("array",)
+
+    def __init__(self, ids: Iterable[int] | np.ndarray = ()) -> None:
+        if isinstance(ids, np.ndarray):
+            arr = np.unique(ids.astype(np.int64, copy=False))
+        else:
+            arr = np.unique(np.fromiter((operator.index(d) for d in ids), dtype=np.int64))
+        arr.flags.writeable = False
+        #: the members, sorted, without repeats (read-only)
+        self.array: np.ndarray = arr
+
+    @classmethod
+    def _from_iterable(cls, it: Iterable[Any]) -> DeviceSet:  # type: ignore[override]
+        return cls(it)
+
+    def __len__(self) -> int:
+        return len(self.array)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.array.tolist())
+
+    def __contains__(self, device: object) -> bool:
+        if isinstance(device, bool):
+            return False
+        try:
+            d = operator.index(device)  # type: ignore[arg-type]
+        except TypeError:
+            return False
+        i = int(np.searchsorted(self.array, d))
+        return i < len(self.array) and int(self.array[i]) == d
+
+    def __repr__(self) -> str:
+        return f"DeviceSet({self.array.tolist()!r})"
 
 
 @dataclass
@@ -36,7 +84,7 @@ class Host:
     pinned: frozenset[int] | None = None
     draining: bool = False
     #: the devices leased to it, as of ``assigned_epoch``
-    devices: set[int] = field(default_factory=set)
+    devices: DeviceSet = field(default_factory=DeviceSet)
     assigned_epoch: int = 0
     acked_epoch: int = -1
 
@@ -52,25 +100,65 @@ class Rebalance:
     them newly receives (whose stored state goes with the lease)."""
 
     epoch: int
-    changed: dict[str, set[int]] = field(default_factory=dict)
+    changed: dict[str, DeviceSet] = field(default_factory=dict)
     unplaced: list[int] = field(default_factory=list)
 
 
+class LeaseView(Mapping[int, str]):
+    """``device → host id`` of every leased device, read from the table's per-device array."""
+
+    def __init__(self, table: HostTable) -> None:
+        self._table = table
+
+    def __getitem__(self, device: int) -> str:
+        host = self._table.host_of(device)
+        if host is None:
+            raise KeyError(device)
+        return host
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(np.flatnonzero(self._table._holder >= 0).tolist())
+
+    def __len__(self) -> int:
+        return int(np.count_nonzero(self._table._holder >= 0))
+
+
 class HostTable:
-    """Live hosts and their device leases (see the module docstring)."""
+    """Live hosts and their device leases (see the module docstring).
+
+    Per device it holds 4 bytes (the slot of the host holding its lease, in ``_holder``) plus 8 in
+    its host's :class:`DeviceSet`: dicts and sets of Python ints here cost the server ~300 bytes per
+    registered device, idle or not (issue 16). Device ids are small non-negative integers (the
+    fleet's ``0..n-1``), so an array indexed by id is the compact form of a ``device → host`` map.
+    """
 
     def __init__(self, devices: Iterable[int], need: Mapping[int, int] | None = None) -> None:
-        self.all_devices = sorted(devices)
-        self._devices = frozenset(self.all_devices)
-        #: bytes a device's largest task may need on its host (min of its budget and the full model)
-        self.need = dict(need or {})
+        #: every device the table leases, in id order (a ``range`` is kept as one: no list of ints)
+        self.all_devices: range | list[int] = (
+            devices if isinstance(devices, range) and devices.step == 1 else sorted(devices)
+        )
+        self._members: range | frozenset[int] = (
+            self.all_devices if isinstance(self.all_devices, range) else frozenset(self.all_devices)
+        )
+        #: bytes a device's largest task may need on its host (min of its budget and the full model);
+        #: kept as given, not copied (the server's is made on first use: see ``DeviceNeed``)
+        self.need: Mapping[int, int] = need if need is not None else {}
         self.hosts: dict[str, Host] = {}
-        self.lease: dict[int, str] = {}
+        #: per device id, the slot (index in ``_slots``) of the host holding its lease, -1 for none
+        self._holder = np.full(max(self._members, default=-1) + 1, -1, dtype=np.int32)
+        #: host id of each slot; a host gets a new slot each time it joins (never reused)
+        self._slots: list[str] = []
+        self._slot_of: dict[str, int] = {}
         self.epoch = 0
         self._seq = 0
         #: something changed since the last rebalance (a join, a leave, an expiry)
         self.dirty = False
         self.last_join = 0.0
+
+    @property
+    def lease(self) -> LeaseView:
+        """``device → host id`` of every leased device (a read-only view)."""
+        return LeaseView(self)
 
     # -- what hosts say ---------------------------------------------------------------------------
     def heartbeat(
@@ -91,10 +179,14 @@ class HostTable:
             self._seq += 1
             host = Host(host_id, self._seq, now, capacity, memory_bytes)
             host.pinned = frozenset(pinned) if pinned is not None else None
-            # after a server restart a host still holds devices: keep them where possible
-            host.devices = {d for d in holding if self.lease.get(d, host_id) == host_id}
-            for d in host.devices:
-                self.lease[d] = host_id
+            slot = self._slot_of[host_id] = len(self._slots)
+            self._slots.append(host_id)
+            # after a server restart a host still holds devices: keep them where possible (devices
+            # of this table only: another's ids have no place here, and balancing drops them anyway)
+            held = np.fromiter((d for d in holding if d in self._members), dtype=np.int64)
+            held = held[self._holder[held] < 0]  # a device another host holds stays with it
+            host.devices = DeviceSet(held)
+            self._holder[host.devices.array] = slot
             self.hosts[host_id] = host
             self.dirty = True
             self.last_join = now
@@ -116,24 +208,36 @@ class HostTable:
     def remove(self, host_id: str) -> Host | None:
         host = self.hosts.pop(host_id, None)
         if host is not None:
-            for d in host.devices:
-                if self.lease.get(d) == host_id:
-                    del self.lease[d]
+            self._holder[self._holder == self._slot_of.pop(host_id)] = -1
             self.dirty = True
         return host
 
     # -- what the server reads ---------------------------------------------------------------------
     def available(self) -> list[int]:
         """Devices leased to a live host that has applied the lease: safe to send a task to."""
-        return sorted(
-            d for d, h in self.lease.items() if self.hosts[h].settled and not self.hosts[h].draining
-        )
+        return self.available_ids().tolist()
+
+    def available_ids(self) -> np.ndarray:
+        """``available()`` as a sorted ``int64`` array: 8 bytes per device where a list of ints
+        takes ~36 (the server reads it for every registered device each round)."""
+        ok = np.zeros(len(self._slots) + 1, dtype=bool)  # the last entry: slot -1, no host
+        for host_id, slot in self._slot_of.items():
+            h = self.hosts[host_id]
+            ok[slot] = h.settled and not h.draining
+        return np.flatnonzero(ok[self._holder]).astype(np.int64, copy=False)
 
     def settled(self) -> bool:
         return all(h.settled for h in self.hosts.values())
 
     def host_of(self, device: int) -> str | None:
-        return self.lease.get(device)
+        try:
+            d = operator.index(device)
+        except TypeError:
+            return None
+        if not 0 <= d < len(self._holder):
+            return None
+        slot = int(self._holder[d])
+        return self._slots[slot] if slot >= 0 else None
 
     def done_draining(self) -> list[Host]:
         """Leaving hosts that have given every device back (their empty lease applied)."""
@@ -149,21 +253,25 @@ class HostTable:
         pinned_by: dict[int, str] = {}
         for h in live:
             for d in sorted(h.pinned or ()):
-                if d in self._devices:
+                if d in self._members:
                     pinned_by.setdefault(d, h.host_id)
         for d, hid in pinned_by.items():
             want[hid].add(d)
         free_hosts = [h for h in live if h.pinned is None]
         pool = [d for d in self.all_devices if d not in pinned_by]
         target = self._targets(free_hosts, pool)
+        # the host holding each device now (None: no host), by slot: one lookup per device below
+        by_slot = [self.hosts.get(hid) for hid in self._slots] + [None]
+        holders = self._holder.tolist()
         orphans: list[int] = []
         for d in pool:  # keep a device where it is while its host is under its target
-            holder = self.hosts.get(self.lease.get(d, ""))
+            holder = by_slot[holders[d]]
             keep = holder is not None and holder.host_id in target and self._fits(holder, d)
             if holder is not None and keep and len(want[holder.host_id]) < target[holder.host_id]:
                 want[holder.host_id].add(d)
             else:
                 orphans.append(d)
+        del holders, by_slot
         unplaced: list[int] = []
         for d in orphans:  # to the emptiest host under its target; else any with room
             fitting = [h for h in free_hosts if self._fits(h, d) and self._room(h, want[h.host_id])]
@@ -191,8 +299,9 @@ class HostTable:
                 left.remove(h)
         if left:
             base, extra = divmod(remaining, len(left))
-            in_pool = set(pool)
-            order = sorted(left, key=lambda h: (-len(h.devices & in_pool), h.seq))
+            in_pool = np.asarray(pool, dtype=np.int64)
+            held = {h.host_id: int(np.count_nonzero(np.isin(h.devices.array, in_pool))) for h in left}
+            order = sorted(left, key=lambda h: (-held[h.host_id], h.seq))
             for i, h in enumerate(order):
                 target[h.host_id] = base + (1 if i < extra else 0)
         return target
@@ -207,20 +316,27 @@ class HostTable:
     def _apply(self, want: dict[str, set[int]], unplaced: list[int]) -> Rebalance:
         # a host new to this server (also one that held devices before a server restart) gets a
         # lease even when its devices stay the same: it must apply and acknowledge this lease
+        wanted = {
+            hid: DeviceSet(np.fromiter(devs, dtype=np.int64, count=len(devs))) for hid, devs in want.items()
+        }
+        want.clear()  # the sets of Python ints go now, before the arrays are compared
         changed = {
             hid: devs
-            for hid, devs in want.items()
-            if devs != self.hosts[hid].devices or self.hosts[hid].acked_epoch < 0
+            for hid, devs in wanted.items()
+            if not np.array_equal(devs.array, self.hosts[hid].devices.array)
+            or self.hosts[hid].acked_epoch < 0
         }
         if changed:
             self.epoch += 1
         result = Rebalance(self.epoch, unplaced=unplaced)
         for hid, devs in changed.items():
             host = self.hosts[hid]
-            result.changed[hid] = devs - host.devices
+            result.changed[hid] = DeviceSet(devs.array[~np.isin(devs.array, host.devices.array)])
             host.devices = devs
             host.assigned_epoch = self.epoch
-        self.lease = {d: hid for hid, h in self.hosts.items() for d in h.devices}
+        self._holder[:] = -1
+        for hid, h in self.hosts.items():
+            self._holder[h.devices.array] = self._slot_of[hid]
         return result
 
 

@@ -9,7 +9,8 @@ calls :meth:`settle` between rounds and opens the next round only once every lea
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 
 from services.server.hosts import DeviceStore, Host, HostTable
@@ -28,7 +29,7 @@ class Leases:
     def __init__(
         self,
         num_devices: int,
-        need: dict[int, int],
+        need: Mapping[int, int],
         store_dir: Path,
         send: Send,
         *,
@@ -111,7 +112,7 @@ class Leases:
             self._gauges()
         return self.table.settled()
 
-    def _send_lease(self, host: Host, received: set[int], epoch: int) -> None:
+    def _send_lease(self, host: Host, received: AbstractSet[int], epoch: int) -> None:
         """The stored state of each device the host newly receives, then the lease itself (one
         queue, in order: the host has the files before it serves the device)."""
         try:

@@ -14,6 +14,7 @@ attempts apart (``rounds_lost``), so a run that had to repeat a round is never m
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -104,10 +105,18 @@ class RunLedger:
     def all_devices(self) -> list[DeviceStats]:
         """Every registered device's statistics, in id order (untouched ones made, not kept), then
         any others recorded (devices restored from a checkpoint of a larger fleet)."""
+        return list(self.iter_devices())
+
+    def iter_devices(self) -> Iterator[DeviceStats]:
+        """``all_devices()`` one at a time: written out at the end of a run, an untouched device's
+        statistics are made, written and dropped, instead of a list of one object per registered
+        device (~30 MiB at 100,000 devices, at the moment the run ends; issue 16)."""
         if self._registry is None:
-            return sorted(self.devices.values(), key=lambda st: st.device_id)
-        out = [self.devices.get(d) or self._fresh(d) for d in self._registry]
-        return out + sorted(
+            yield from sorted(self.devices.values(), key=lambda st: st.device_id)
+            return
+        for d in self._registry:
+            yield self.devices.get(d) or self._fresh(d)
+        yield from sorted(
             (st for d, st in self.devices.items() if d not in self._registry), key=lambda st: st.device_id
         )
 
@@ -279,7 +288,7 @@ class RunLedger:
                 if result.supported and MetricKey.EVAL_ACCURACY in result.metrics:
                     self.stats(dev).eval_accuracy = result.metrics[MetricKey.EVAL_ACCURACY]
         write_rounds(run_dir, self.rows)
-        write_devices(run_dir, self.all_devices())
+        write_devices(run_dir, self.iter_devices(), in_id_order=True)
         write_summary(run_dir, self.summary(meta, evaluation))
         atomic_savez(run_dir / "global_model.npz", arrays)
         plot_run(run_dir, self.rows, title)

@@ -43,12 +43,12 @@ from services.common import MessageHandler, ServiceBase, decode_tensors
 from services.server import checkpoint, fanout
 from services.server.leases import Leases
 from services.server.ledger import RoundOutcome, RunLedger
-from services.server.registry import DeviceRegistry
+from services.server.registry import DeviceNeed, DeviceRegistry, OnlineChances
 from services.server.round import EvaluationState, Phase, RepeatPolicy, RoundState
 from shared import metrics
 from shared.algorithms.base import Partial, ServerState, TaskSpec, derive_seed
 from shared.config import ExperimentConfig
-from shared.devices import dropout_point, is_online, over_select
+from shared.devices import dropout_point, over_select
 from shared.experiment import Experiment
 from shared.provision import BrokerAdmin, ProvisionError, new_host
 from shared.schemas import Decision as DecisionMsg
@@ -119,6 +119,8 @@ class Server(ServiceBase):
         self.incarnation = new_incarnation()  # random: tells this start from any other
         #: every device of the fleet, as strategies plan for it (tier, samples, profile), made on access
         self.registry: DeviceRegistry = self._device_infos(exp)
+        #: who is online in a round (selection), from each device's p_online read once
+        self.online_chances = OnlineChances(exp.fleet)
         self.leases = Leases(
             cfg.num_devices,
             self._host_need(exp),
@@ -214,11 +216,11 @@ class Server(ServiceBase):
         return DeviceRegistry(exp.fleet, exp.partitions)
 
     @staticmethod
-    def _host_need(exp: Experiment) -> dict[int, int]:
+    def _host_need(exp: Experiment) -> DeviceNeed:
         """Memory a device's largest task may take on its host: its budget, at most the full model
-        (admission refuses anything above the budget, and no task is larger than the full model)."""
-        full = exp.full_footprint_bytes
-        return {d.device_id: min(d.profile.memory_bytes, full) for d in exp.fleet}
+        (admission refuses anything above the budget, and no task is larger than the full model);
+        made on first use, as one array (``DeviceNeed``)."""
+        return DeviceNeed(exp.fleet, exp.full_footprint_bytes)
 
     def on_join(self, env: Envelope, msg: Join, d: Delivery) -> None:
         """A new client process asks for a broker user of its own (see ``shared.provision``)."""
@@ -426,7 +428,7 @@ class Server(ServiceBase):
         joined for a moment, so the first round does not go to whoever came first), or at the
         registration deadline with at least a round's worth of devices."""
         settled = self.leases.settle()
-        served, wanted = len(self.leases.table.available()), self.cfg.num_devices
+        served, wanted = len(self.leases.table.available_ids()), self.cfg.num_devices
         quiet = now - self.leases.table.last_join >= self.cfg.hosts.join_quiet_s
         if settled and served >= wanted and quiet:
             self._next()
@@ -525,9 +527,10 @@ class Server(ServiceBase):
         first K finishers are kept. Returns (selected, number of registered devices offline).
         """
         rng = np.random.default_rng(derive_seed(self.cfg.seed, "select", round) % (2**32))
-        fleet = self.exp.fleet
-        registered = self.leases.table.available()
-        online = [d for d in registered if is_online(fleet[d], round, self.cfg.seed)]
+        # arrays, not lists of ints: every registered device passes through here each round, and
+        # idle ones should cost next to nothing (issue 16); the same candidates in the same order
+        registered = self.leases.table.available_ids()
+        online = registered[self.online_chances.online(registered, round, self.cfg.seed)]
         picked = over_select(online, self.cfg.devices_per_round, self.cfg.emulation.over_selection, rng)
         return sorted(int(x) for x in picked), len(registered) - len(online)
 
@@ -649,7 +652,7 @@ class Server(ServiceBase):
         ended 0. (Devices offline by the emulation's availability model are another matter: they are
         served, just not online, and such a round opens as usual.)"""
         self.leases.settle()  # hosts that came back get their leases
-        if self.leases.table.available():
+        if self.leases.table.available_ids().size:
             self._no_hosts_since = None
             return True
         now = time.time()

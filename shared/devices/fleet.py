@@ -507,13 +507,7 @@ class LazyFleet(Sequence[Device]):
             if hit is not None:
                 self._recent.move_to_end(d)
                 return hit
-        t = int(self._labels[d])
-        name = self._names[t]
-        values = _tier_values(self._tiers[t], self._seed, d)
-        profile, problems = _profile(values, name, self._full, f"{self._where}.{name}")
-        if profile is None:  # build_fleet checked every device: unreachable unless the code changed
-            raise FleetError("\n".join(problems))
-        made = Device(device_id=d, profile=profile)
+        made = self.make(d)
         with self._lock:
             self._recent[d] = made
             if len(self._recent) > self.CACHE:
@@ -523,6 +517,22 @@ class LazyFleet(Sequence[Device]):
     def __iter__(self) -> Iterator[Device]:
         for d in range(len(self)):
             yield self[d]
+
+    def make(self, device: int) -> Device:
+        """Device ``device`` (``0 <= device < len(self)``) made from the seed, not kept.
+
+        Why not ``self[device]``: a pass over many devices that each use once (a host taking a
+        25,000-device lease) would fill ``CACHE`` with idle devices' profiles (~2 KB each) and push
+        out the round's own ones; with a fleet large enough to have that many, the cache's cost
+        would show up as a cost of idle devices (issue 16).
+        """
+        t = int(self._labels[device])
+        name = self._names[t]
+        values = _tier_values(self._tiers[t], self._seed, device)
+        profile, problems = _profile(values, name, self._full, f"{self._where}.{name}")
+        if profile is None:  # build_fleet checked every device: unreachable unless the code changed
+            raise FleetError("\n".join(problems))
+        return Device(device_id=device, profile=profile)
 
     def tier(self, device: int) -> str:
         """The device's tier name, without making its profile (the server's registry asks it of every

@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -103,11 +104,15 @@ def write_rounds(run_dir: Path, rows: list[dict[str, Any]]) -> None:
             w.writerow({k: _fmt(row.get(k)) for k in columns})
 
 
-def write_devices(run_dir: Path, devices: list[DeviceStats]) -> None:
+def write_devices(run_dir: Path, devices: Iterable[DeviceStats], *, in_id_order: bool = False) -> None:
+    """``devices.csv``, one row per device in id order. ``in_id_order``: ``devices`` already comes
+    in that order, and is written as it comes (a generator over 100,000 devices is then never held
+    whole, issue 16)."""
+    rows = devices if in_id_order else sorted(devices, key=lambda d: d.device_id)
     with (run_dir / "devices.csv").open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=DEVICE_COLUMNS)
         w.writeheader()
-        for d in sorted(devices, key=lambda d: d.device_id):
+        for d in rows:
             w.writerow({k: _fmt(v) for k, v in asdict(d).items()})
 
 
