@@ -217,6 +217,14 @@ REPRODUCTIONS: dict[str, Reproduction] = {
                 configs=("experiments/fedmef_digits.yaml", "experiments/fedtiny_digits.yaml"),
                 pending="registered 2026-11-26; its runs did not fit the session (check 6 still not run)",
             ),
+            # issue #17: the §8 checks on Fashion-MNIST with LeNet-5 (FedMef: NSConv; FedTiny/PQSU: BN)
+            Block(
+                "fedmef-results-fashion",
+                "benchmarks/fedmef_experiment.py",
+                ("--setting", "fashion", "--workers", "2"),
+                rounds_flag=False,
+                configs=("experiments/fedmef_fashion_lenet.yaml", "experiments/fedtiny_fashion_lenet.yaml"),
+            ),
         ),
         baselines=("fedtiny", "feddst"),
     ),

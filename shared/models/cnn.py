@@ -27,6 +27,7 @@ def _two_conv_net(
     hidden: Sequence[int] = (),
     bias: bool = True,
     relu_between_fc: bool = True,
+    batch_norm: bool = False,
 ) -> nn.Sequential:
     """The LeNet family: 2x [conv, ReLU, 2x2 max-pool], flatten, FC layers (``hidden`` then the
     classes) with ReLUs between them. Layers are made in forward order, so a seeded build draws the
@@ -39,6 +40,8 @@ def _two_conv_net(
     cin = c
     for i, cout in enumerate(channels, start=1):
         layers[f"conv{i}"] = nn.Conv2d(cin, cout, kernel, padding=padding, bias=bias)
+        if batch_norm:
+            layers[f"bn{i}"] = nn.BatchNorm2d(cout)
         layers[f"relu{i}"] = nn.ReLU()
         layers[f"pool{i}"] = nn.MaxPool2d(2)
         cin = cout
@@ -142,7 +145,9 @@ def lenet_cifar(input_shape: tuple[int, ...], num_classes: int) -> nn.Sequential
     )
 
 
-def lenet5_fmnist(input_shape: tuple[int, ...], num_classes: int, *, bias: bool = True) -> nn.Sequential:
+def lenet5_fmnist(
+    input_shape: tuple[int, ...], num_classes: int, *, bias: bool = True, batch_norm: bool = False
+) -> nn.Sequential:
     """The small LeNet-5 (LeCun et al. 1998) for 28x28 inputs, the papers' CNN scale on 2 cores.
 
     conv5x5 6, pool, conv5x5 16, pool, FC 120, FC 84, FC out; no padding, so 28x28 leaves 16x4x4 =
@@ -151,10 +156,20 @@ def lenet5_fmnist(input_shape: tuple[int, ...], num_classes: int, *, bias: bool 
     CNN, 539,358; EmbracingFL's LEAF CNN, 6.6 M; FedDSE's HeteroFL CNN, 1.56 M) are convolutional
     nets of this shape, 10-150x larger; this one runs a 3-seed, 50-round comparison in minutes on
     a CPU while keeping what the digits MLP lacks -- shared conv filters over 2-D images. ``bias``
-    False is SpaFL's convention (one threshold per output unit, no biases).
+    False is SpaFL's convention (one threshold per output unit, no biases). ``batch_norm`` puts a
+    BatchNorm after each conv (conv, BN, ReLU, pool): FedMef's FedTiny baseline is the BN model, as
+    ``tinycnn``'s option of the same name; added after the BN-free layers draw their weights, so the
+    convs and FCs start from the same values with or without it.
     """
     return _two_conv_net(
-        "lenet5_fmnist", input_shape, num_classes, channels=(6, 16), kernel=5, hidden=(120, 84), bias=bias
+        "lenet5_fmnist",
+        input_shape,
+        num_classes,
+        channels=(6, 16),
+        kernel=5,
+        hidden=(120, 84),
+        bias=bias,
+        batch_norm=batch_norm,
     )
 
 
