@@ -251,6 +251,12 @@ REPRODUCTIONS: dict[str, Reproduction] = {
                 configs=("experiments/embracingfl_fashion.yaml",),
             ),
             Block(
+                "embracingfl-results-fashion-cases",
+                "services/reproduce.py",
+                ("grid", "embracingfl-fashion-cases"),
+                configs=("experiments/embracingfl_fashion.yaml",),
+            ),
+            Block(
                 "lgfedavg-results",
                 "benchmarks/embracingfl_experiment.py",
                 ("--experiment", "LG"),
@@ -465,6 +471,14 @@ class Grid:
     inference: str = ""
 
 
+def _efl_tiers(strong: int, moderate: int, weak: int, weak_memory: float = 0.40) -> dict[str, Any]:
+    """An EmbracingFL Experiment B fleet in experiments/embracingfl_fashion.yaml's tier format (only
+    memory differs between tiers, so a case is its three counts; a tier with no device is left out)."""
+    link = {"uplink_bps": 5e6, "downlink_bps": 20e6, "latency_s": 0.015, "flops_per_s": 2e9}
+    counts = {"strong": (strong, 1.0), "moderate": (moderate, 0.70), "weak": (weak, weak_memory)}
+    return {k: {"count": n, "memory_fraction": m, **link} for k, (n, m) in counts.items() if n}
+
+
 _HOMO = (("capacity", "fixed"), ("fixed_rate", 0.25))
 GRIDS: dict[str, Grid] = {
     "feddse-fashion": Grid(
@@ -603,6 +617,52 @@ GRIDS: dict[str, Grid] = {
             Check("B2 EFL ≥ width reduction at the paper's r + 5 points", "efl", "wr-paper", margin=5.0),
             Check("B4 (soft) EFL ≥ width reduction at the same budget", "efl", "wr-budget"),
             Check("A1's direction: weak devices help (EFL ≥ FedAvg dropping them)", "efl", "drop-weak"),
+        ),
+        inherit_options=True,
+    ),
+    # B2 as the spec states it (cases 7 and 10: 4 strong devices) and B3's case 7, on the case-5 grid's
+    # config and hyper-parameters; only the fleet differs. The tiers are replaced whole because case 10
+    # adds a moderate tier the config lacks (memory 0.70, benchmarks/embracingfl_experiment.py MEMORY).
+    # B3's case 5 and case 1 are the "efl" and "all-strong" rows of embracingfl-fashion (same config,
+    # same seeds): running them again here would double the grid.
+    "embracingfl-fashion-cases": Grid(
+        config="experiments/embracingfl_fashion.yaml",
+        setting=(
+            "Fashion-MNIST (the first 6,000 training images), `lenet5_fmnist` (He-normal), Experiment B's "
+            "cases 7 (4 strong + 28 weak) and 10 (4 strong + 4 moderate + 24 weak): 32 devices (Dirichlet "
+            "α = 0.5), memory strong 1.0 / moderate 0.70 / weak 0.40 (width reduction at the paper's r: "
+            "weak 0.24), 8 devices per round, 50 rounds, the spec's local procedure (batch 32, lr 0.01, "
+            "momentum 0.9, weight decay 1e-4; 2 epochs ≈ τ = 10 steps)"
+        ),
+        variants=(
+            Variant("efl-case7", "embracingfl", overrides=(("fleet.tiers", _efl_tiers(4, 0, 28)),)),
+            Variant(
+                "wr-paper-case7",
+                "heterofl",
+                (("capacity", "budget"), ("weighting", "uniform"), ("budget_grid", (0.2, 0.45, 1.0))),
+                overrides=(("fleet.tiers", _efl_tiers(4, 0, 28, weak_memory=0.24)),),
+            ),
+            Variant("efl-case10", "embracingfl", overrides=(("fleet.tiers", _efl_tiers(4, 4, 24)),)),
+            Variant(
+                "wr-paper-case10",
+                "heterofl",
+                (("capacity", "budget"), ("weighting", "uniform"), ("budget_grid", (0.2, 0.45, 1.0))),
+                overrides=(("fleet.tiers", _efl_tiers(4, 4, 24, weak_memory=0.24)),),
+            ),
+        ),
+        checks=(
+            Check(
+                "B2 case 7: EFL ≥ width reduction at the paper's r + 5 points",
+                "efl-case7",
+                "wr-paper-case7",
+                margin=5.0,
+            ),
+            Check(
+                "B2 case 10: EFL ≥ width reduction at the paper's r + 5 points",
+                "efl-case10",
+                "wr-paper-case10",
+                margin=5.0,
+            ),
         ),
         inherit_options=True,
     ),
