@@ -61,6 +61,10 @@ from shared.results import read_rounds, read_summary  # noqa: E402
 #: the target of issue 2: median round over RabbitMQ at 50 devices per round <= 3x the floor
 TARGET_RATIO = 3.0
 TARGET_N = 50
+#: issue 16's stricter targets at the same N: amqp <= 2x the floor and <= 1.3x the in-process transport
+#: (the gap to inproc is what the broker and the separate processes cost)
+STRICT_FLOOR_RATIO = 2.0
+STRICT_INPROC_RATIO = 1.3
 TRANSPORTS = ("amqp", "inproc")
 #: a floor whose wall time exceeds its CPU time by this factor ran on a busy machine (single thread)
 BUSY_FACTOR = 1.3
@@ -357,10 +361,15 @@ def run(
         "|---:|---|" + "---:|" * (len(ROLES) + 3),
     ]
     verdicts: list[str] = []
+    #: median round per transport at TARGET_N, for issue 16's amqp-vs-inproc target
+    at_target: dict[str, float] = {}
+    floor_at_target: float | None = None
     for n in sizes:
         say(f"rounds: floor at N={n}")
         floor, eval_s = measure_floor(n, rounds)
         floor_cpu = floor.cpu_ms["floor"]
+        if n == TARGET_N:
+            floor_at_target = floor.median
         if floor.median > BUSY_FACTOR * floor_cpu / 1e3:
             verdicts.append(
                 f"Warning: at N={n} the floor's wall time is {floor.median * 1e3 / floor_cpu:.1f}x its "
@@ -401,6 +410,8 @@ def run(
                 f"{s.p90 / floor.median:.2f} | {cyc} | {overhead_ms:.1f} | {s.note} |"
             )
             cpu_lines.append(_cpu_row(n, s, floor_cpu, cores))
+            if n == TARGET_N:
+                at_target[transport] = s.median
             if n == TARGET_N and transport == "amqp":
                 ok = ratio <= TARGET_RATIO
                 verdicts.append(
@@ -417,6 +428,15 @@ def run(
                         f"reach ({'below' if bound <= TARGET_RATIO else 'above'} the "
                         f"{TARGET_RATIO:g}x target)."
                     )
+    if "amqp" in at_target and "inproc" in at_target and floor_at_target is not None:
+        vs_floor = at_target["amqp"] / floor_at_target
+        vs_inproc = at_target["amqp"] / at_target["inproc"]
+        ok = vs_floor <= STRICT_FLOOR_RATIO and vs_inproc <= STRICT_INPROC_RATIO
+        verdicts.append(
+            f"**Issue 16's target (N={TARGET_N}, amqp median round <= {STRICT_FLOOR_RATIO:g}x floor and "
+            f"<= {STRICT_INPROC_RATIO:g}x inproc): {'met' if ok else 'MISSED'}** — {vs_floor:.2f}x floor, "
+            f"{vs_inproc:.2f}x inproc."
+        )
     lines.append("")
     if not any(v.startswith("**Target") for v in verdicts):
         verdicts.append(f"Target (N={TARGET_N}, amqp) not measured in this run.")
