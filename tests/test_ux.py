@@ -427,7 +427,10 @@ def _is_round_row(line: str) -> bool:
 
 def normalise(line: str) -> str:
     """A printed line with what differs between identical runs masked: the clock, each round's
-    wall time and the wall seconds (accuracies and bytes are deterministic for one seed)."""
+    wall time and the wall seconds. Accuracies and bytes are not masked: they were the same in every run on a
+    quiet machine, and inproc gives the same. One exception is known: on 2026-11-26, while the
+    machine ran ~3x slower, broker runs ended at 0.9158 instead of 0.9125 (rounds 1-3 equal); the
+    cause was not found, so a failure here on a loaded machine may be that, not a stale sample."""
     line = _CLOCK.sub("H:MM:SS", line.rstrip())
     cells = line.split("│")
     if _is_round_row(line):
@@ -471,8 +474,9 @@ def test_the_sample_comparison_catches_a_stale_line(doc: str) -> None:
     row = sample[cut - 1]  # a round row, standing in for the rounds the sample leaves out
     printed = [*sample[:cut], row, row, *sample[cut + 1 :]]
     assert matches_sample(printed, sample) == []
-    stale = [line.replace("0.9158", "0.9125") for line in sample]
-    assert matches_sample(printed, stale)
+    final = next(line for line in sample if "final accuracy" in line)
+    stale = [line.replace(final, final.replace("0.", "1.", 1)) for line in sample]
+    assert stale != sample and matches_sample(printed, stale)
     assert matches_sample(printed[:-1], sample)
     assert matches_sample([*printed, "one more line"], sample)
     assert matches_sample([*printed[:2], *printed[3:]], sample)  # a table line missing
