@@ -104,6 +104,13 @@ REPRODUCTIONS: dict[str, Reproduction] = {
                 ("--setting", "fashion", "--checks", "C6", "C9", "C8"),
                 configs=("experiments/feddse_fashion.yaml",),
             ),
+            # C4 at L = 4 needs its own L = 2 pair (the gap is compared within one block's runs)
+            Block(
+                "feddse-results-fashion-l4",
+                "benchmarks/feddse_experiment.py",
+                ("--setting", "fashion", "--checks", "C4L4"),
+                configs=("experiments/feddse_fashion.yaml",),
+            ),
             # a diagnostic, not the verdicts: C3 / C4 with the authors' code's training flags
             Block(
                 "feddse-results-fashion-authors",
