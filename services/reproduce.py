@@ -110,7 +110,6 @@ REPRODUCTIONS: dict[str, Reproduction] = {
                 "benchmarks/feddse_experiment.py",
                 ("--setting", "fashion", "--checks", "C4L4"),
                 configs=("experiments/feddse_fashion.yaml",),
-                pending="registered 2026-11-26; its 12 runs did not fit the session (stopped after 3)",
             ),
             # a diagnostic, not the verdicts: C3 / C4 with the authors' code's training flags
             Block(
