@@ -21,6 +21,10 @@ C1/C2/C7 are unit tests (``tests/test_width_slice.py``, ``tests/test_feddse.py``
 
 Writes ``results.json`` and ``table.md`` under ``--out`` and, with ``--docs``, replaces the block
 between the ``feddse-results`` markers in ``docs/algorithms/feddse.md``.
+
+``--setting fashion --checks C6 C9 C8`` (issue #17): the same runs and checks on
+``experiments/feddse_fashion.yaml`` (Fashion-MNIST, LeNet-5), only the runs the named checks need;
+``services/reproduce.py`` registers the Fashion-MNIST blocks that call it.
 """
 
 from __future__ import annotations
