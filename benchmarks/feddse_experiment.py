@@ -21,6 +21,10 @@ C1/C2/C7 are unit tests (``tests/test_width_slice.py``, ``tests/test_feddse.py``
 
 Writes ``results.json`` and ``table.md`` under ``--out`` and, with ``--docs``, replaces the block
 between the ``feddse-results`` markers in ``docs/algorithms/feddse.md``.
+
+``--setting fashion --checks C6 C9 C8`` (issue #17): the same runs and checks on
+``experiments/feddse_fashion.yaml`` (Fashion-MNIST, LeNet-5), only the runs the named checks need;
+``services/reproduce.py`` registers the Fashion-MNIST blocks that call it.
 """
 
 from __future__ import annotations
@@ -126,6 +130,19 @@ for _lab in (
     RUNS[f"cnn-{_lab}"] = ({**_s, "model": CNN}, _a, _o)
 
 
+# -- issue #17: the same checks on Fashion-MNIST with LeNet-5 (``--setting fashion``) ----------------
+FASHION = ROOT / "experiments" / "feddse_fashion.yaml"
+#: check -> the run labels it needs (the Fashion block runs only the checks it is given: C3 and C4 at
+#: L = 2 are the grid ``feddse-fashion`` of ``services/reproduce.py``, not repeated here)
+FASHION_CHECKS: dict[str, tuple[str, ...]] = {
+    "C6": ("high/feddse", "high/fedrolex"),
+    "C4L4": ("high/feddse", "high/fedrolex", "low/feddse", "low/fedrolex"),
+    "C8": ("high/fedavg",),
+    "C9": ("high/feddse", "high/feddse-ninf32"),
+    "C5": tuple(f"rho/{r:.1f}" for r in RHOS),
+}
+
+
 def _config(label: str, seed: int, rounds: int | None) -> dict[str, Any]:
     setting, algo, opts = RUNS[label]
     cfg = yaml.safe_load(BASE.read_text())
@@ -188,15 +205,21 @@ def motivation(run_dir: Path, seed: int) -> dict[str, float]:
         load_arrays(model, {k: z[k] for k in z.files})
     assert isinstance(model, torch.nn.Sequential)
     ws = WidthStructure(model, exp.dataset.input_shape)
-    layer = ws.hidden[1]
+    # the last hidden layer: the MLP's second (64 units), LeNet-5's FC 84
+    layer = ws.hidden[-1]
     k = ws.layers[layer].units // 4
+    dead: list[float] = []
 
     def top(x: np.ndarray) -> np.ndarray:
         s = unit_scores(model, ws, x)[layer]
+        dead.append(float(np.mean(s == 0)))
         return np.argsort(-s, kind="stable")[:k]
 
     data = [exp.device_data(d) for d in range(cfg.num_devices)]
     tops = [top(d.x_train) for d in data]
+    # units with a zero mean activation on a device's data tie at the bottom; when more than 3/4 of
+    # the layer is dead (a collapsed model) the top-25 % sets are partly index order, not activations
+    dead_units = float(np.mean(dead))
     labels = [set(np.unique(d.y_train).tolist()) for d in data]
     disjoint: list[float] = []
     sharing: list[float] = []
@@ -206,7 +229,12 @@ def motivation(run_dir: Path, seed: int) -> dict[str, float]:
     idx = rng.permutation(len(exp.train_y))
     half = len(idx) // 2
     iid = _jaccard(top(exp.train_x[idx[:half]]), top(exp.train_x[idx[half:]]))
-    return {"disjoint": float(np.mean(disjoint)), "sharing": float(np.mean(sharing)), "iid": iid}
+    return {
+        "disjoint": float(np.mean(disjoint)),
+        "sharing": float(np.mean(sharing)),
+        "iid": iid,
+        "dead": dead_units,
+    }
 
 
 def _fmt(values: list[float], scale: float = 100.0, digits: int = 1) -> str:
@@ -435,6 +463,108 @@ def table(results: dict[str, list[dict[str, Any]]], c8: list[dict[str, float]], 
     return "\n".join(lines)
 
 
+def fashion_table(
+    results: dict[str, list[dict[str, Any]]], c8: list[dict[str, float]], seeds: list[int], checks: list[str]
+) -> str:
+    """The ``--setting fashion`` block: the runs it made and the verdicts of the checks it was given."""
+
+    def col(label: str, key: str = "acc5") -> list[float]:
+        return [r[key] for r in results[label]]
+
+    def diff(a: str, b: str) -> list[float]:
+        return [x - y for x, y in zip(col(a), col(b), strict=True)]
+
+    def ok(flag: bool) -> str:
+        return "pass" if flag else "**fail**"
+
+    lines = [
+        f"Fashion-MNIST (6,000 training images, the 10,000 test images), `lenet5_fmnist`, the spec's R0 "
+        f"hyper-parameters (`experiments/feddse_fashion.yaml`: 50 rounds, E = 2, B = 16, lr 0.05, "
+        f"momentum 0.9, wd 5e-4); checks {', '.join(checks)}; seeds {', '.join(map(str, seeds))}. Accuracy "
+        "of the global model on the test set in %, mean ± std over seeds; `acc5` = mean of the last 5 "
+        "rounds. Bytes: wire bytes per participating device and round (msgpack framing included).",
+        "",
+        "| run | acc5 | final | down B/client | up B/client |",
+        "|---|---|---|---|---|",
+    ]
+    for lab in results:
+        lines.append(
+            f"| {lab} | {_fmt(col(lab))} | {_fmt(col(lab, 'accuracy'))} | "
+            f"{_mean(col(lab, 'down_per_client')):,.0f} | {_mean(col(lab, 'up_per_client')):,.0f} |"
+        )
+    rows: list[tuple[str, str, str]] = []
+    if "C6" in checks:
+        exp = Experiment.build(parse_config(_config("high/feddse", 0, None), "x"))
+        frac = expected_upload_fraction(WidthStructure(exp.model(), exp.dataset.input_shape), WidthOptions())
+        down = _mean(col("high/feddse", "down_per_client")) / _mean(col("high/fedrolex", "down_per_client"))
+        up = _mean(col("high/feddse", "up_per_client")) / _mean(col("high/fedrolex", "up_per_client"))
+        tot = [
+            _mean(col(f"high/{m}", "down_per_client")) + _mean(col(f"high/{m}", "up_per_client"))
+            for m in ("feddse", "fedrolex")
+        ]
+        want_tot = (1 + frac) / (2 * frac)
+        rows += [
+            (
+                f"C6 FedDSE / FedRolex download per client-round (expected 1/{frac:.3f} = {1 / frac:.2f})",
+                f"{down:.2f}",
+                ok(abs(down - 1 / frac) * frac < 0.15),
+            ),
+            (
+                f"C6 FedDSE / FedRolex total traffic per client-round (expected {want_tot:.2f})",
+                f"{tot[0] / tot[1]:.2f}",
+                ok(abs(tot[0] / tot[1] - want_tot) / want_tot < 0.15),
+            ),
+            (
+                "C6 upload FedDSE / FedRolex (expected 1 + the index vectors)",
+                f"{up:.3f}",
+                ok(abs(up - 1) < 0.1),
+            ),
+        ]
+    if "C4L4" in checks:
+        d_hi, d_lo = diff("high/feddse", "high/fedrolex"), diff("low/feddse", "low/fedrolex")
+        rows += [
+            ("C4 low (L=4): FedDSE T=0 ≥ FedRolex", f"{_fmt(d_lo)} points", ok(_mean(d_lo) >= 0)),
+            (
+                "C4 low (L=4): gap smaller than at L=2 (paper +0.04 vs +3.93)",
+                f"{_fmt(d_lo)} points vs {_fmt(d_hi)}",
+                ok(abs(_mean(d_lo)) < abs(_mean(d_hi))),
+            ),
+        ]
+    if "C9" in checks:
+        ninf = diff("high/feddse-ninf32", "high/feddse")
+        seed_sd = statistics.stdev([x * 100 for x in col("high/feddse")]) if len(seeds) > 1 else 0.0
+        rows.append(
+            (
+                "C9 n_inf = 32 vs all local data: within seed noise",
+                f"{_fmt(ninf)} points (seed sd {seed_sd:.1f})",
+                ok(abs(_mean(ninf)) * 100 <= max(seed_sd, 1.0)),
+            )
+        )
+    if "C5" in checks:
+        rho = [_mean(col(f"rho/{r:.1f}")) for r in RHOS]
+        rows.append(
+            (
+                "C5 rho sweep (" + ", ".join(f"{r:.1f}" for r in RHOS) + "): rho=0 far below all others",
+                " → ".join(f"{100 * a:.1f}" for a in rho),
+                ok(rho[0] < min(rho[1:]) - 0.05 and rho[-1] > rho[1]),
+            )
+        )
+    if "C8" in checks:
+        dis, sh, iid = (_mean([c[k] for c in c8]) for k in ("disjoint", "sharing", "iid"))
+        dead = 100 * _mean([c["dead"] for c in c8])
+        rows.append(
+            (
+                "C8 Jaccard of top-25% FC-84 units (final FedAvg model): disjoint-label pairs "
+                "< label-sharing pairs < IID halves",
+                f"{dis:.3f} < {sh:.3f} < {iid:.3f} (dead units: {dead:.0f} %)",
+                ok(dis < sh < iid),
+            )
+        )
+    lines += ["", "| spec §8 check | measured | verdict |", "|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -442,9 +572,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=None, help="override the config's 50 rounds (smoke runs)")
     ap.add_argument("--force", action="store_true")
     ap.add_argument("--docs", action="store_true", help="write the table into docs/algorithms/feddse.md")
+    ap.add_argument(
+        "--setting",
+        choices=["digits", "fashion"],
+        default="digits",
+        help="fashion: experiments/feddse_fashion.yaml (LeNet-5) and only the runs of --checks",
+    )
+    ap.add_argument("--checks", nargs="+", choices=list(FASHION_CHECKS), default=list(FASHION_CHECKS))
     args = ap.parse_args(argv)
     logging.getLogger().setLevel(logging.WARNING)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.setting == "fashion":
+        return _main_fashion(args)
     results: dict[str, list[dict[str, Any]]] = {}
     for label in RUNS:
         results[label] = [
@@ -457,6 +596,26 @@ def main(argv: list[str] | None = None) -> int:
     print(md)
     if args.docs:
         replace_doc_block(ROOT / "docs" / "algorithms" / "feddse.md", "feddse-results", md)
+    return 0
+
+
+def _main_fashion(args: argparse.Namespace) -> int:
+    global BASE
+    BASE = FASHION
+    labels = list(dict.fromkeys(lab for c in args.checks for lab in FASHION_CHECKS[c]))
+    results = {
+        lab: [_measure(lab, _run(lab, s, args.out, args.rounds, args.force)) for s in args.seeds]
+        for lab in labels
+    }
+    c8 = (
+        [motivation(_run_dir(args.out, "high/fedavg", s), s) for s in args.seeds]
+        if "C8" in args.checks
+        else []
+    )
+    (args.out / "results.json").write_text(json.dumps({"runs": results, "c8": c8}, indent=1))
+    md = fashion_table(results, c8, args.seeds, args.checks)
+    (args.out / "table.md").write_text(md + "\n")
+    print(md)
     return 0
 
 
