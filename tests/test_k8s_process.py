@@ -449,9 +449,13 @@ def test_overlay_runs_to_completion_as_processes(overlay: str, broker_url: str, 
                     cluster.scale("clients", replicas + 1)
                 scaled_up, scaled_at = True, done
             elif scaled_up and not scaled_down and done > scaled_at and not cluster.job_complete("server"):
-                cluster.scale("clients", 1)  # make scale CLIENTS=1: the others hand over and leave
+                # paused for the same reason: on a fast machine a shortened run's remaining rounds
+                # take well under a second (35 ms each were seen), so the scale-down must not race them
+                with cluster.paused(("Job", "aggregator")):
+                    cluster.scale("clients", 1)  # make scale CLIENTS=1: the others hand over and leave
                 scaled_down = True
-            time.sleep(0.5)
+            # polled often: rounds finish faster than a human-paced poll would notice them
+            time.sleep(0.05)
         assert scaled_up and scaled_down, "the run ended before the clients were scaled"
 
         # the aggregators exit 0 once the server stops the run: their Job completes too
