@@ -69,7 +69,7 @@ WORKLOADS = {("Job", "server"), ("Job", "aggregator"), ("Deployment", "clients")
 MAX_CLIENT_PODS = 3
 #: rounds of the shortened experiment; FEDFLEET_K8S_ROUNDS=overlay runs the overlay's own (how
 #: docs/kubernetes.md measures an overlay's accuracy as deployed)
-ROUNDS_ENV = os.environ.get("FEDFLEET_K8S_ROUNDS", "12")
+ROUNDS_ENV = os.environ.get("FEDFLEET_K8S_ROUNDS", "20")
 RUN_TIMEOUT_S = 1800.0
 
 pytestmark = pytest.mark.broker
@@ -449,12 +449,12 @@ def test_overlay_runs_to_completion_as_processes(overlay: str, broker_url: str, 
                     cluster.scale("clients", replicas + 1)
                 scaled_up, scaled_at = True, done
             elif scaled_up and not scaled_down and done > scaled_at and not cluster.job_complete("server"):
-                # paused for the same reason: on a fast machine a shortened run's remaining rounds
-                # take well under a second (35 ms each were seen), so the scale-down must not race them
-                with cluster.paused(("Job", "aggregator")):
-                    cluster.scale("clients", 1)  # make scale CLIENTS=1: the others hand over and leave
+                cluster.scale("clients", 1)  # make scale CLIENTS=1: the others hand over and leave
                 scaled_down = True
-            # polled often: rounds finish faster than a human-paced poll would notice them
+            # polled often: on a fast machine a shortened run's rounds take ~35 ms each, and a 0.5 s
+            # poll saw the run end before it could scale down. (Not paused like the scale-up: a host
+            # told to leave while a round is held in flight was seen to crash when the server deleted
+            # its broker user before its last ack; an open issue, see the client's leave path.)
             time.sleep(0.05)
         assert scaled_up and scaled_down, "the run ended before the clients were scaled"
 
