@@ -34,6 +34,7 @@ from shared.data import (
     split_local,
 )
 from shared.devices import Device, Optimizer, build_fleet
+from shared.ids import device_id
 from shared.statespec import state_spec
 
 if TYPE_CHECKING:
@@ -211,13 +212,8 @@ class HostedData(Mapping[int, DeviceData]):
 
     def _index(self, device: object) -> int | None:
         """``device`` as an index of ``_served`` (None: not a device id, or beyond the array)."""
-        if isinstance(device, bool):
-            return None
-        try:
-            d = operator.index(device)  # type: ignore[arg-type]
-        except TypeError:
-            return None
-        return d if 0 <= d < len(self._served) else None
+        d = device_id(device)
+        return d if d is not None and 0 <= d < len(self._served) else None
 
     def add(self, device: int) -> None:
         d = operator.index(device)

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from shared.algorithms.device_state import atomic_write_bytes
+from shared.ids import device_id
 
 
 class DeviceSet(Set[int]):
@@ -60,11 +61,8 @@ class DeviceSet(Set[int]):
         return iter(self.array.tolist())
 
     def __contains__(self, device: object) -> bool:
-        if isinstance(device, bool):
-            return False
-        try:
-            d = operator.index(device)  # type: ignore[arg-type]
-        except TypeError:
+        d = device_id(device)
+        if d is None:
             return False
         i = int(np.searchsorted(self.array, d))
         return i < len(self.array) and int(self.array[i]) == d

@@ -12,7 +12,6 @@ The values are the ones the dict held: equal ``DeviceInfo`` objects for the same
 
 from __future__ import annotations
 
-import operator
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 
@@ -21,6 +20,7 @@ import numpy as np
 from shared.data.partitioning import Partition
 from shared.devices import Device, LazyFleet, is_online
 from shared.devices.seeding import uniform01
+from shared.ids import device_id
 from shared.schemas import DeviceInfo
 
 
@@ -48,13 +48,8 @@ class DeviceRegistry(Mapping[int, DeviceInfo]):
 
     def _index(self, device: object) -> int | None:
         """``device`` as an id of the fleet (numpy integers too, as dict keys took them), else None."""
-        if isinstance(device, bool):
-            return None
-        try:
-            d = operator.index(device)  # type: ignore[arg-type]
-        except TypeError:
-            return None
-        return d if 0 <= d < len(self._fleet) else None
+        d = device_id(device)
+        return d if d is not None and 0 <= d < len(self._fleet) else None
 
     def __getitem__(self, device: int) -> DeviceInfo:
         index = self._index(device)
