@@ -386,7 +386,7 @@ def test_server_restart_resumes_from_checkpoint(cluster: Any, tmp_path: Path) ->
     config = write_config(tmp_path / "c.yaml", rounds=5)
     c = cluster(config)
     server = _standard(c)
-    wait_for(lambda: server.text().count('"round_done"') >= 2, RUN_TIMEOUT, "two rounds")
+    wait_for(lambda: server.text().count('"round_done"') >= 2, RUN_TIMEOUT, "two rounds", interval=0.005)
     server.kill()
     restarted = c.server("server-2")
     _finish(restarted)

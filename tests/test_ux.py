@@ -544,14 +544,16 @@ def test_a_killed_aggregators_queue_does_not_outlive_the_run(
     server = c.server()
     victim = c.aggregator("aggregator-0")
     c.aggregator("aggregator-1")
-    c.client("client-0", "0-3")
-    c.client("client-1", "4-7")
     agg_prefix = f"ff.{experiment_id}.agg."
 
     def sessions() -> int:
         return sum(name.startswith(agg_prefix) for name in broker_objects(broker_url, experiment_id))
 
-    wait_for(lambda: sessions() == 2, 120, "both aggregators' session queues", interval=0.5)
+    # No client is up yet, so no round can start: on a quiet machine the three rounds finished (and the
+    # aggregators deleted their session queues) before a 0.5 s poll saw both (clean-clone CI at a93bfd1).
+    wait_for(lambda: sessions() == 2, 120, "both aggregators' session queues", interval=0.1)
+    c.client("client-0", "0-3")
+    c.client("client-1", "4-7")
     victim.kill()
     rc = server.wait(300)
     assert rc == 0, server.text()[-3000:]
