@@ -82,3 +82,58 @@ def test_local_steps_is_refused_by_algorithms_that_would_ignore_it(tmp_path: Pat
     )
     with pytest.raises(ValueError, match=r"local_steps applies to: .*fedavg.*heterofl"):
         _ = bad.strategy
+
+
+def _bn_dropout_model() -> nn.Module:
+    """A factory like ``Experiment.model``: it seeds the global generator, then draws the weights.
+    BatchNorm brings an integer buffer no task names; Dropout draws from the global generator while
+    training, so a reused model that left the generator elsewhere would train differently."""
+    torch.default_generator.manual_seed(7)
+    return nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3))
+
+
+def test_fedavg_trains_on_one_reused_model_exactly_as_on_fresh_ones(tmp_path: Path) -> None:
+    """``Strategy.scratch_model`` (one model per process, overwritten in place) gives bit-for-bit the
+    updates of building a model per task, for devices in any order and tasks of different rounds."""
+    from shared import codec
+    from shared.algorithms.base import DeviceContext, DeviceData, StrategyContext, load_arrays, model_arrays
+    from shared.algorithms.fedavg import FedAvg
+    from shared.algorithms.training import local_sgd as sgd
+
+    train = TrainConfig(lr=0.1, momentum=0.9, batch_size=8)
+    ctx = StrategyContext(_bn_dropout_model, (4,), 3, train, 0, FedAvg.Options())
+    strategy = FedAvg(ctx)
+    state = strategy.init_state()
+
+    def fresh(
+        task_arrays: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray, seed: int
+    ) -> dict[str, np.ndarray]:
+        model = _bn_dropout_model()  # what FedAvg.train did before: a model per task
+        current = model_arrays(model)
+        current.update(task_arrays)
+        load_arrays(model, current)
+        sgd(model, x, y, train, seed)
+        return {k: v for k, v in model_arrays(model).items() if k in task_arrays}
+
+    rng = np.random.default_rng(3)
+    tasks = []
+    for round_ in range(3):
+        task = strategy.plan(state, round_ + 1, [0], {})[0]
+        arrays = {k: codec.to_array(t) for k, t in task.tensors.items()}
+        for device in (0, 1, 0):
+            x = rng.normal(size=(20 + device, 4)).astype(np.float32)
+            y = rng.integers(0, 3, size=20 + device)
+            tasks.append((task, arrays, x, y, 100 * round_ + device))
+        # the next round's state moves, so a stale copy of the last one would show
+        state = type(state)({k: v + 0.01 if v.dtype.kind == "f" else v for k, v in state.arrays.items()})
+    assert any(k.endswith("num_batches_tracked") for k in model_arrays(_bn_dropout_model()))
+    assert not any(k.endswith("num_batches_tracked") for k in tasks[0][1])  # the initial state fills it
+    for task, arrays, x, y, seed in tasks:
+        data = DeviceData(x, y, x[:0], y[:0])
+        update = strategy.train(task, DeviceContext(seed, 1, data, tmp_path, seed))
+        expected = fresh(arrays, x, y, seed)
+        got = {k: codec.to_array(t) for k, t in update.tensors.items()}
+        assert got.keys() == expected.keys()
+        for k in expected:
+            np.testing.assert_array_equal(got[k], expected[k], err_msg=k)
+        assert not np.array_equal(got["0.weight"], arrays["0.weight"])  # it trained

@@ -64,11 +64,7 @@ class FedAvg(Strategy):
     def train(self, task: TaskSpec, device: DeviceContext) -> UpdateSpec:
         from shared.algorithms.training import local_sgd  # torch: the client half only
 
-        model = self.ctx.model_factory()
-        current = model_arrays(model)
-        for name, t in task.tensors.items():
-            current[name] = codec.to_array(t)
-        load_arrays(model, current)
+        model = self.scratch_model({name: codec.to_array(t) for name, t in task.tensors.items()})
         metrics = local_sgd(model, device.data.x_train, device.data.y_train, self.ctx.train, device.seed)
         trained = model_arrays(model)
         return UpdateSpec(
