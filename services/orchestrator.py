@@ -198,8 +198,7 @@ class InprocCluster:
         runs after each service's turn."""
         for svc in list(self.services):
             if svc in self.services and svc not in self.exited:  # a hook may have crashed it
-                svc.transport.process(0)
-                svc.tick()
+                svc.turn(0)
                 if svc.stopped and svc is not self.server:  # as its process would exit
                     svc.transport.close()
                     self.exited.append(svc)

@@ -226,3 +226,36 @@ def test_every_queue_bound_to_a_key_gets_a_copy(make: Factory) -> None:
     t.publish("all", b"everyone")
     t.publish("one", b"first only")
     assert (t.queue_depth(q1), t.queue_depth(q2)) == (2, 1)
+
+
+def test_send_soon_publishes_at_the_flush_in_order_and_says_when_nobody_listens(
+    make: Factory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``send_soon`` (an aggregator's receipts) holds messages until the turn's ``flush``, which
+    publishes them in one batch, in order; with no queue bound the flush logs an error, not raise."""
+    from shared.schemas import Kind, Receipt, decode
+    from shared.transport.base import KEY_SERVER
+
+    t = make()
+    sink = _Sink(t, max_bytes=1 << 20)
+
+    def receipt(device: int) -> Receipt:
+        return Receipt(device_id=device, aggregator_id="a", update_bytes=1, dense_bytes=1, num_samples=1)
+
+    sink.send_soon(KEY_SERVER, Kind.RECEIPT, receipt(0), round=1)
+    with caplog.at_level("ERROR"):
+        sink.flush()  # nobody is bound for "server" yet
+    assert "had no queue to go to" in caplog.text and not sink.outbox
+    q = _queue(t)
+    t.declare_queue(q, [KEY_SERVER])
+    for device in (3, 1, 2):
+        sink.send_soon(KEY_SERVER, Kind.RECEIPT, receipt(device), round=1)
+    assert t.queue_depth(q) == 0  # nothing before the flush
+    sink.flush()
+    assert t.queue_depth(q) == 3 and not sink.outbox
+    got: list[Delivery] = []
+    t.consume(q, got.append, prefetch=8)
+    _pump([t], lambda: len(got) == 3)
+    bodies = [decode(d.body, max_bytes=1 << 20, exp=t.names.experiment)[1] for d in got]
+    assert [b.device_id for b in bodies] == [3, 1, 2]
+    assert all(isinstance(b, Receipt) for b in bodies)

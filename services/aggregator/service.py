@@ -360,7 +360,10 @@ class Aggregator(ServiceBase):
         return len(self.batch.deliveries) + sum(len(b.deliveries) for b in self.pending.values())
 
     def _receipt(self, env: Envelope, msg: Update, d: Delivery, update: UpdateSpec) -> None:
-        self.send(
+        # queued, not confirmed one by one: the update it reports is acked only once its partial is
+        # decided, after this receipt went out (``_send`` flushes first), so a crash in between
+        # redelivers the update and it is receipted again
+        self.send_soon(
             KEY_SERVER,
             Kind.RECEIPT,
             Receipt(
@@ -383,6 +386,7 @@ class Aggregator(ServiceBase):
             self._send(batch)
 
     def _send(self, batch: _Batch) -> None:
+        self.flush()  # the receipts of these updates reach the server before their partial
         self.seq += 1
         self.pending[self.seq] = batch
         tensors, scalars = batch.partial.to_wire()
