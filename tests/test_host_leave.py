@@ -1,0 +1,200 @@
+"""A client host that leaves: its broker user is deleted under it, which must be its clean end.
+
+The server deletes a leaving host's broker user (and queue) once the host has applied its empty
+lease; the broker then force-closes the host's connection, possibly before the host's last ack or
+before the confirm of its last heartbeat. A clean-clone CI run saw such a host exit 1 (pika's
+``ValueError: Timeout closed before call`` from the next ``process`` on the closed connection), and
+reading the transport showed the other outcome: a reconnect loop as a user that no longer exists,
+for the whole reconnect budget, then exit 3.
+
+These tests do what the server does, deterministically, over the real broker: a host user made with
+``shared.provision.BrokerAdmin`` (as the server makes them in strict mode), a delivery held
+unacknowledged, the user deleted, the broker's close frame waited for on the socket, then the ack and
+``process``. No timing is asserted: what is asserted is the exception type and the transport's state.
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import socket
+import urllib.parse
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pika
+import pika.exceptions
+import pytest
+
+from shared import provision
+from shared.transport import KEY_CLIENTS, KEY_SERVER, BrokerUnavailable, Delivery, key_host
+from shared.transport.amqp import AmqpTransport, BrokerOptions
+from shared.transport.base import Departed
+
+pytestmark = pytest.mark.broker
+
+
+def _admin_url(broker_url: str) -> str:
+    """The management API of the test broker, as its AMQP URL's user (guest locally)."""
+    p = pika.URLParameters(broker_url)
+    creds = p.credentials
+    user = urllib.parse.quote(str(creds.username), safe="")  # type: ignore[attr-defined]
+    password = urllib.parse.quote(str(creds.password), safe="")  # type: ignore[attr-defined]
+    return f"http://{user}:{password}@{p.host}:15672"
+
+
+@dataclass
+class Host:
+    """A host user of its own (what the server makes for a joining host) and its transport."""
+
+    admin: provision.BrokerAdmin
+    owner: AmqpTransport
+    transport: AmqpTransport
+    host_id: str
+    url: str
+    got: list[Delivery]
+
+    @property
+    def queue(self) -> str:
+        return self.transport.names.client_queue(self.host_id)
+
+    def deliver_one(self) -> Delivery:
+        """The owner sends the host one message; returns it, received and not yet acknowledged."""
+        self.owner.publish(key_host(self.host_id), b"lease")
+        for _ in range(200):  # a bound, not a timing: each pass returns as soon as something arrives
+            if self.got:
+                break
+            self.transport.process(0.1)
+        assert [d.body for d in self.got] == [b"lease"]
+        return self.got[0]
+
+    def await_close_frame(self) -> None:
+        """Wait until the broker's answer to the deletion (its connection.close) is on the host's
+        socket, unread: the next ack is then sent on a connection the broker has closed."""
+        conn = self.transport._conn
+        assert conn is not None
+        sock = conn._impl._transport._sock
+        readable, _, _ = select.select([sock], [], [], 30)
+        assert readable, "the broker did not close the deleted user's connection"
+
+
+@pytest.fixture
+def host(broker_url: str, experiment_id: str) -> Iterator[Host]:
+    vhost = pika.URLParameters(broker_url).virtual_host
+    admin = provision.BrokerAdmin(_admin_url(broker_url), vhost=vhost)
+    try:
+        admin.tracing()  # the management API answers (a broker test is never skipped: fail if not)
+    except provision.ProvisionError as err:
+        pytest.fail(f"these tests delete a host's broker user through the management API: {err}")
+    owner = AmqpTransport(broker_url, experiment_id, options=BrokerOptions(reconnect_budget_s=30))
+    host_id, password = provision.new_host()
+    user = admin.create_host_user(experiment_id, host_id, password)
+    url = provision.with_user(broker_url, user, password)
+    # a short budget and backoff: a test that wrongly reconnected would still end, with BrokerUnavailable
+    options = BrokerOptions(reconnect_budget_s=2, backoff_s=0.05, backoff_max_s=0.2)
+    transport = AmqpTransport(url, experiment_id, options=options, declare_topology=False)
+    got: list[Delivery] = []
+    transport.declare_queue(
+        transport.names.client_queue(host_id), [KEY_CLIENTS, key_host(host_id)], expires_s=60
+    )
+    transport.consume(transport.names.client_queue(host_id), got.append, prefetch=2)
+    h = Host(admin, owner, transport, host_id, url, got)
+    try:
+        yield h
+    finally:
+        transport.close()
+        admin.delete_host(experiment_id, host_id)
+        owner.delete_experiment([h.queue])
+        owner.close()
+
+
+def _events(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [getattr(r, "event", "") for r in caplog.records]
+
+
+def test_a_winding_down_host_whose_user_is_deleted_ends_at_once(
+    host: Host, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The leave as the server makes it happen: the ack goes with the connection (not raised), and
+    ``process`` ends the transport with ``Departed`` after one refused login, no reconnect loop."""
+    caplog.set_level(logging.INFO, logger="shared.transport.amqp")
+    d = host.deliver_one()
+    host.transport.winding_down()
+    host.admin.delete_host(host.owner.names.experiment, host.host_id)
+    host.await_close_frame()
+    d.ack()  # was ConnectionClosedByBroker out of the handler
+    assert "amqp_settle_lost" in _events(caplog)
+    with pytest.raises(Departed):
+        host.transport.process(0.1)  # was ValueError: Timeout closed before call
+    assert host.transport.departed
+    assert host.transport._conn is None
+    events = _events(caplog)
+    assert "amqp_departed" in events
+    assert "amqp_retry" not in events  # one pass over the addresses, no backoff
+    assert "amqp_reconnected" not in events
+    # and it stays ended: nothing reopens the connection
+    with pytest.raises(Departed):
+        host.transport.process(0.1)
+    with pytest.raises(Departed):
+        host.transport.publish(key_host(host.host_id), b"more")
+
+
+def test_a_host_not_winding_down_still_reconnects(host: Host, caplog: pytest.LogCaptureFixture) -> None:
+    """The same loss without ``winding_down`` is a fault to recover from: the transport tries to
+    reconnect within its budget (here short, since the user really is gone) and ends with
+    ``BrokerUnavailable`` (exit 3 for a service), not ``Departed`` and not pika's ``ValueError``."""
+    caplog.set_level(logging.INFO, logger="shared.transport.amqp")
+    d = host.deliver_one()
+    host.admin.delete_host(host.owner.names.experiment, host.host_id)
+    host.await_close_frame()
+    d.ack()
+    with pytest.raises(BrokerUnavailable) as raised:
+        host.transport.process(0.1)
+    assert not isinstance(raised.value, Departed)
+    assert not host.transport.departed
+    assert "amqp_retry" in _events(caplog)  # it kept trying, with backoff
+
+
+def test_a_winding_down_host_still_gets_through_a_lost_connection(
+    host: Host, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Winding down is no reason to give up on a connection merely lost (a broker node gone, its user
+    still there): one reconnect, and the host's last heartbeat still reaches the server."""
+    caplog.set_level(logging.INFO, logger="shared.transport.amqp")
+    server_queue = host.owner.names.server_queue
+    host.owner.declare_queue(server_queue, [KEY_SERVER])
+    heard: list[Delivery] = []
+    host.owner.consume(server_queue, heard.append, prefetch=4)
+    host.deliver_one().ack()
+    host.transport.winding_down()
+    conn = host.transport._conn
+    assert conn is not None
+    conn._impl._transport._sock.shutdown(socket.SHUT_RDWR)  # a dropped TCP connection
+    host.transport.publish(KEY_SERVER, b"last heartbeat")  # reconnects once, then publishes
+    assert not host.transport.departed
+    assert "amqp_reconnected" in _events(caplog)
+    for _ in range(200):
+        if heard:
+            break
+        host.owner.process(0.1)
+    assert [d.body for d in heard] == [b"last heartbeat"]
+    host.owner.delete_queue(server_queue)
+
+
+def test_a_winding_down_host_whose_queue_is_deleted_does_not_declare_it_again(host: Host) -> None:
+    """Its queue deleted (the broker cancels the consumer), a winding-down host ends instead of
+    declaring the queue again, which would outlive the host until it expires."""
+    host.deliver_one().ack()
+    host.transport.winding_down()
+    host.owner.delete_queue(host.queue)
+    with pytest.raises(Departed):
+        for _ in range(200):  # the basic.cancel arrives with the next read
+            host.transport.process(0.1)
+    probe = pika.BlockingConnection(pika.URLParameters(host.owner.url))
+    try:
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as missing:
+            probe.channel().queue_declare(host.queue, passive=True)
+        assert missing.value.reply_code == 404
+    finally:
+        if probe.is_open:
+            probe.close()
