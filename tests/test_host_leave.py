@@ -15,21 +15,31 @@ unacknowledged, the user deleted, the broker's close frame waited for on the soc
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import select
+import shutil
+import signal
 import socket
 import urllib.parse
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import pika
 import pika.exceptions
 import pytest
 
-from shared import provision
+from services.orchestrator import ProcessCluster, ServiceProcess
+from shared import identity, provision
 from shared.transport import KEY_CLIENTS, KEY_SERVER, BrokerUnavailable, Delivery, key_host
 from shared.transport.amqp import AmqpTransport, BrokerOptions
 from shared.transport.base import Departed
+from tests.conftest import read_rounds, wait_for, write_config
+from tests.test_security_e2e import ADMIN_API, Deployment, _ctl, _host_users
 
 pytestmark = pytest.mark.broker
 
@@ -38,8 +48,8 @@ def _admin_url(broker_url: str) -> str:
     """The management API of the test broker, as its AMQP URL's user (guest locally)."""
     p = pika.URLParameters(broker_url)
     creds = p.credentials
-    user = urllib.parse.quote(str(creds.username), safe="")  # type: ignore[attr-defined]
-    password = urllib.parse.quote(str(creds.password), safe="")  # type: ignore[attr-defined]
+    user = urllib.parse.quote(str(creds.username), safe="")
+    password = urllib.parse.quote(str(creds.password), safe="")
     return f"http://{user}:{password}@{p.host}:15672"
 
 
@@ -198,3 +208,146 @@ def test_a_winding_down_host_whose_queue_is_deleted_does_not_declare_it_again(ho
     finally:
         if probe.is_open:
             probe.close()
+
+
+# -- end to end: real processes, strict mode (host users made and deleted by the server) ----------
+ROUNDS = 10
+RUN_TIMEOUT = 300.0
+#: about 0.3 s of emulated compute per task, slept in real mode: the run is still going when we act
+FLEET = {"preset": "uniform", "overrides": {"default": {"flops_per_s": "8MFLOP/s"}}}
+
+
+def _json_events(proc: ServiceProcess) -> list[dict[str, Any]]:
+    out = []
+    for line in proc.text().splitlines():
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+def _has(proc: ServiceProcess, event: str, text: str = "") -> bool:
+    return any(e.get("event") == event and text in e.get("msg", "") for e in _json_events(proc))
+
+
+def _wait(predicate: Any, what: str, procs: list[ServiceProcess]) -> None:
+    """``wait_for`` that stops early, with the logs, once any process has exited unexpectedly."""
+
+    def done() -> bool:
+        if predicate():
+            return True
+        dead = [p for p in procs if p.p.poll() is not None]
+        if dead:
+            tails = "\n".join(f"--- {p.name} (exit {p.p.poll()})\n{p.text()[-2500:]}" for p in procs)
+            raise AssertionError(f"{[p.name for p in dead]} exited while waiting for {what}\n{tails}")
+        return False
+
+    wait_for(done, RUN_TIMEOUT, what, interval=0.05)
+
+
+def _leave_with_a_round_held(tmp_path: Path, pins: str | None) -> None:
+    """A strict-mode run (host users made by the server over the management API); host ``c1``
+    is SIGTERMed while the round in flight is held (its aggregator SIGSTOPped). ``pins``: the devices
+    ``c0`` is pinned to (all of them: ``c1`` serves none, so the server deletes its user as soon as
+    its leave arrives, while the round is still held); None: both hosts share the fleet, and ``c1``
+    hands its devices back once the round ends."""
+    _need_admin_api()
+    experiment = f"lv{uuid.uuid4().hex[:8]}"
+    dep = Deployment(experiment)
+    agg: ServiceProcess | None = None
+    try:
+        config = write_config(
+            tmp_path / "c.yaml",
+            rounds=ROUNDS,
+            num_devices=8,
+            devices_per_round=4,
+            round_timeout_s=120,
+            fleet=FLEET,
+            emulation={"time_mode": "real", "time_factor": 1.0},
+            hosts={"heartbeat_s": 0.5, "lease_timeout_s": 20, "join_quiet_s": 0.5},
+        )
+        cluster = ProcessCluster(
+            dep.url(identity.server_user()),
+            experiment,
+            config,
+            tmp_path / "run",
+            # a short reconnect budget: a host that wrongly reconnects as its deleted user ends in
+            # seconds (exit 3) rather than after the default 120 s
+            env=dict(
+                os.environ,
+                FEDFLEET_USER_PREFIX=dep.prefix,
+                FEDFLEET_BROKER_ADMIN_URL=ADMIN_API,
+                FEDFLEET_RECONNECT_BUDGET_S="15",
+                FEDFLEET_LINGER_S="0",
+            ),
+            fork_server=False,  # the services run as different users: one environment each
+        )
+        try:
+            server = cluster.server()
+            cluster.env["RABBITMQ_URL"] = dep.url(identity.aggregator_user())
+            agg = cluster.aggregator("agg-0")
+            cluster.env["RABBITMQ_URL"] = dep.url(identity.join_user())
+            c0, c1 = cluster.client("c0", pins), cluster.client("c1")
+            procs = [server, agg, c0, c1]
+            _wait(lambda: _has(c1, "lease_applied") and _has(server, "round_open"), "c1's lease", procs)
+            if pins is not None:
+                assert _has(c1, "lease_applied", "serving 0 devices"), c1.text()[-2000:]
+            else:
+                assert not _has(c1, "lease_applied", "serving 0 devices"), c1.text()[-2000:]
+            _wait(
+                lambda: sum(e.get("event") == "round_open" for e in _json_events(server)) >= 2,
+                "round 2",
+                procs,
+            )
+            agg.p.send_signal(signal.SIGSTOP)  # the round in flight cannot close
+            c1.p.send_signal(signal.SIGTERM)
+            _wait(lambda: _has(c1, "host_leaving"), "c1 to start leaving", [server, c0, c1])
+            if pins is not None:  # nothing to hand back: the server forgets c1 with the round still held
+                code = c1.p.wait(RUN_TIMEOUT)
+                assert code == 0, f"c1 exited {code}:\n{c1.text()[-3000:]}"
+            agg.p.send_signal(signal.SIGCONT)
+            code = c1.p.wait(RUN_TIMEOUT)
+            assert code == 0, f"c1 exited {code}:\n{c1.text()[-3000:]}"
+            assert _has(c1, "host_left"), c1.text()[-3000:]
+            assert not _has(c1, "amqp_retry"), c1.text()[-3000:]  # no reconnect loop as a deleted user
+            assert "Traceback" not in c1.text(), c1.text()[-3000:]
+            assert server.p.wait(RUN_TIMEOUT) == 0, server.text()[-3000:]
+            assert c0.p.wait(60) == 0, c0.text()[-2000:]
+            assert _has(server, "host_left"), server.text()[-3000:]  # c1 (its id is the server's)
+        finally:
+            if agg is not None and agg.p.poll() is None:
+                agg.p.send_signal(signal.SIGCONT)
+            cluster.stop_all()
+            cluster.cleanup_broker()
+        assert [r["outcome"] for r in read_rounds(cluster.run_dir)] == ["completed"] * ROUNDS
+        wait_for(lambda: not _host_users(dep.prefix), 30, "the run's host users to be deleted")
+    finally:
+        dep.close()
+
+
+def _need_admin_api() -> None:
+    """rabbitmqctl and the management API, for the scratch vhost and role users (never skipped)."""
+    if shutil.which("rabbitmqctl") is None or _ctl("status").returncode != 0:
+        pytest.fail("these tests need a local RabbitMQ administrable with rabbitmqctl")
+    try:
+        provision.BrokerAdmin(ADMIN_API).tracing()
+    except provision.ProvisionError as err:
+        pytest.fail(f"these tests need RabbitMQ's management API on 127.0.0.1:15672: {err}")
+
+
+@pytest.mark.slow
+def test_a_host_with_nothing_to_hand_back_leaves_with_exit_0_while_a_round_is_held(tmp_path: Path) -> None:
+    """Deterministic: ``c1`` serves no device, so its leave is done the moment the server hears it;
+    the server deletes its user (the broker force-closes its connection) with the round still held.
+    Before the fix the host reconnected as its deleted user until its budget ran out: exit 3."""
+    _leave_with_a_round_held(tmp_path, pins="0-7")
+
+
+@pytest.mark.slow
+def test_a_host_that_hands_its_devices_back_leaves_with_exit_0_after_a_held_round(tmp_path: Path) -> None:
+    """The scale-down of the clean-clone CI run: ``c1`` is told to leave while the round is held, hands
+    its devices back once the round ends, and exits 0 however the deletion of its user races its
+    last ack and heartbeat; the run completes."""
+    _leave_with_a_round_held(tmp_path, pins=None)
