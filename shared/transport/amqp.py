@@ -333,6 +333,8 @@ class AmqpTransport(Transport):
         return scrub(f"cannot reach RabbitMQ at {addresses}: {why}", self.urls).replace("\n", " ")
 
     def winding_down(self) -> None:
+        """From now on a loss gets one pass over the addresses, not the reconnect budget: the
+        server is about to delete this user, and a deleted user's login is refused for good."""
         self._winding_down = True
 
     def _closed(self) -> bool:
@@ -355,12 +357,15 @@ class AmqpTransport(Transport):
         self._cancelled.clear()
 
     def _departure(self) -> Departed:
+        """What ``process`` and every broker call raise once departed (one line, no password)."""
         addresses = ", ".join(redact(u) for u in self.urls)
         return Departed(f"the connection to {addresses} ended while winding down; not reconnecting")
 
     def _reconnect(self, err: BaseException) -> None:
         """After a loss: drop the connection and go on with the next address (winding down: one pass
-        over them, then ``Departed``; see ``_connect``)."""
+        over them, then ``Departed``; see ``_connect``). Once departed, nothing is tried again."""
+        if self.departed:
+            raise self._departure()
         log.log(
             logging.INFO if self._winding_down else logging.WARNING,
             "broker connection lost at %s (%s); reconnecting%s",
