@@ -211,7 +211,7 @@ def test_a_winding_down_host_whose_queue_is_deleted_does_not_declare_it_again(ho
 
 
 # -- end to end: real processes, strict mode (host users made and deleted by the server) ----------
-ROUNDS = 10
+ROUNDS = 20
 RUN_TIMEOUT = 300.0
 #: about 0.3 s of emulated compute per task, slept in real mode: the run is still going when we act
 FLEET = {"preset": "uniform", "overrides": {"default": {"flops_per_s": "8MFLOP/s"}}}
@@ -230,6 +230,17 @@ def _json_events(proc: ServiceProcess) -> list[dict[str, Any]]:
 
 def _has(proc: ServiceProcess, event: str, text: str = "") -> bool:
     return any(e.get("event") == event and text in e.get("msg", "") for e in _json_events(proc))
+
+
+def _opened(server: ServiceProcess) -> int:
+    return sum(e.get("event") == "round_open" for e in _json_events(server))
+
+
+def _serves(host: ServiceProcess) -> bool:
+    return any(
+        e.get("event") == "lease_applied" and "serving 0 devices" not in e.get("msg", "")
+        for e in _json_events(host)
+    )
 
 
 def _wait(predicate: Any, what: str, procs: list[ServiceProcess]) -> None:
@@ -289,18 +300,17 @@ def _leave_with_a_round_held(tmp_path: Path, pins: str | None) -> None:
             cluster.env["RABBITMQ_URL"] = dep.url(identity.aggregator_user())
             agg = cluster.aggregator("agg-0")
             cluster.env["RABBITMQ_URL"] = dep.url(identity.join_user())
-            c0, c1 = cluster.client("c0", pins), cluster.client("c1")
+            # c0 first: were c1 first, it would be leased the whole fleet until c0 joined
+            c0 = cluster.client("c0", pins)
+            _wait(lambda: _has(c0, "lease_applied"), "c0's lease", [server, agg, c0])
+            c1 = cluster.client("c1")
             procs = [server, agg, c0, c1]
-            _wait(lambda: _has(c1, "lease_applied") and _has(server, "round_open"), "c1's lease", procs)
-            if pins is not None:
-                assert _has(c1, "lease_applied", "serving 0 devices"), c1.text()[-2000:]
-            else:
-                assert not _has(c1, "lease_applied", "serving 0 devices"), c1.text()[-2000:]
-            _wait(
-                lambda: sum(e.get("event") == "round_open" for e in _json_events(server)) >= 2,
-                "round 2",
-                procs,
-            )
+            if pins is not None:  # every device is c0's: c1's first lease is empty, and stays so
+                _wait(lambda: _has(c1, "lease_applied", "serving 0 devices"), "c1's empty lease", procs)
+            else:  # a share of the fleet, from the next round boundary on
+                _wait(lambda: _serves(c1), "c1 to serve devices", procs)
+            opened = _opened(server)
+            _wait(lambda: _opened(server) > opened, "a round after c1's lease", procs)
             agg.p.send_signal(signal.SIGSTOP)  # the round in flight cannot close
             c1.p.send_signal(signal.SIGTERM)
             _wait(lambda: _has(c1, "host_leaving"), "c1 to start leaving", [server, c0, c1])
