@@ -81,6 +81,7 @@ from shared.transport import (
     Unroutable,
     key_host,
 )
+from shared.transport.base import Departed
 
 
 def per_device_bytes(exp: Experiment) -> int:
@@ -228,6 +229,8 @@ class Client(ServiceBase):
             self.send(KEY_SERVER, Kind.HEARTBEAT, beat, round=0, inc=self.lease_inc, sender=self.client_id)
         except Unroutable:
             self.log.info("no server yet", extra={"event": "heartbeat_unroutable"})
+        except Departed:  # the last heartbeat of a leave may be what the server deleted the user for
+            self._departed()
 
     def tick(self) -> None:
         if not self.idle and time.time() - self.last_heartbeat >= self.hosts_cfg.heartbeat_s:
@@ -241,8 +244,19 @@ class Client(ServiceBase):
                     self.transport_closed = True
                 time.sleep(max(poll_s, 0.5))
                 continue
-            self.transport.process(poll_s)
-            self.tick()
+            try:
+                self.transport.process(poll_s)
+                self.tick()
+            except Departed:
+                self._departed()
+
+    def _departed(self) -> None:
+        """The transport ended after ``_wind_down``: the expected end of a leave. The transport winds
+        down only once every device is handed back; should a lease have given it devices since, this
+        is no clean leave, and ``Departed`` (a ``BrokerUnavailable``) ends it with one line, exit 3."""
+        if self.data:
+            raise Departed(f"host {self.client_id} lost its connection holding {len(self.data)} devices")
+        self._left("the connection ended after every device was handed back")
 
     def terminate(self) -> None:
         """SIGTERM: ask the server to take the devices back; exit once it has (a second SIGTERM, or
@@ -253,6 +267,22 @@ class Client(ServiceBase):
         self.leaving = True
         self.log.info("leaving: handing the devices back", extra={"event": "host_leaving"})
         self.heartbeat()
+        if not self.data:  # nothing to hand back: the server may forget this host at once
+            self._wind_down()
+
+    def _wind_down(self) -> None:
+        """Leaving with every device handed back, the host has nothing more to do on the broker, and
+        the server is about to delete its broker user and queue (the broker then closes the host's
+        connection, perhaps before the host's last ack or the confirm of its last heartbeat). The
+        transport is told, so that the loss of the connection ends the host (exit 0) instead of a
+        reconnect loop as a deleted user."""
+        self.transport.winding_down()
+
+    def _left(self, why: str) -> None:
+        """The clean end of a leave: one ``host_left`` line, then the run loop ends."""
+        if not self.stopped:
+            self.log.info("left: %s", why, extra={"event": "host_left"})
+        self.stopped = True
 
     def on_lease(self, env: Envelope, msg: Lease, d: Delivery) -> None:
         if msg.host_id != self.client_id:
@@ -262,11 +292,15 @@ class Client(ServiceBase):
         if newer:
             self._apply_lease(set(msg.devices))
             self.lease_inc, self.epoch = env.inc, msg.epoch
+        done = self.leaving and not self.data
+        if done:
+            # before the ack and the heartbeat: the server may delete this host's user as soon as
+            # the heartbeat reaches it, before the broker's confirm of it reaches this host
+            self._wind_down()
         d.ack()
         self.heartbeat()  # the acknowledgement: the server opens the next round once every host has
-        if self.leaving and not self.data:
-            self.log.info("left: every device handed back", extra={"event": "host_left"})
-            self.stopped = True
+        if done:
+            self._left("every device handed back")
 
     def _apply_lease(self, devices: set[int]) -> None:
         """Serve exactly ``devices``: load the new ones' data, forget the others (their state is already

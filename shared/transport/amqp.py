@@ -37,6 +37,15 @@ Reliability choices, each because a service relies on it:
   re-declared and re-subscribed, logged as ``amqp_consumer_cancelled``;
 * the dead-letter publish is confirmed like any other; if it cannot be confirmed the original is
   left unacknowledged, so the broker delivers it again rather than losing it;
+* a transport told it is ``winding_down`` (a leaving host that handed every device back, whose broker
+  user the server is about to delete) makes one pass over the addresses after a loss and no more: a
+  broker that lost a node still gets the host's last heartbeat through another, but a login refused
+  (the user is deleted: the expected end) or no address answering ends it, and ``process`` raises
+  ``Departed`` at once instead of spending the reconnect budget as a user that no longer exists;
+* an ack or nack the broker can no longer take because the connection closed under it (a deleted
+  user, a lost node) is not an error of the handler: the message is redelivered, which the services
+  already handle (at-least-once); a connection found closed between two ``process`` calls goes
+  through the reconnect path, not into pika (whose ioloop, once closed, raises ``ValueError``);
 * handlers run only from ``process``, never from inside a publish: ``publish_many`` must pump the
   connection to see its mandatory returns, and pika would dispatch consumer deliveries there too, so a
   service's handler could run in the middle of the service's own state change (the server's
@@ -46,6 +55,7 @@ Reliability choices, each because a service relies on it:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
@@ -60,7 +70,7 @@ from pika.adapters.blocking_connection import BlockingChannel
 from pika.spec import Basic, BasicProperties
 
 from shared import metrics
-from shared.transport.base import BrokerUnavailable, Delivery, Handler, Transport, Unroutable
+from shared.transport.base import BrokerUnavailable, Delivery, Departed, Handler, Transport, Unroutable
 from shared.transport.urls import redact, scrub, split_urls
 
 __all__ = ["AmqpTransport", "BrokerOptions", "BrokerUnavailable", "broker_reachable", "queue_arguments"]
@@ -198,6 +208,10 @@ class AmqpTransport(Transport):
         #: >0 while publishing: consumer deliveries are queued in ``_deferred`` instead of handled
         self._publishing = 0
         self._deferred: deque[tuple[Handler, Delivery]] = deque()
+        #: set by ``winding_down``: a lost connection from then on ends the transport (``Departed``)
+        self._winding_down = False
+        #: the connection ended while winding down; nothing is reopened
+        self.departed = False
         self._connect(first=True)
 
     @property
@@ -297,6 +311,9 @@ class AmqpTransport(Transport):
                         extra={"event": "amqp_reconnected"},
                     )
                 return
+            if self._winding_down:  # one pass: the user is deleted, or nobody answers; either way, the end
+                self._end("; ".join(f"{addr}: {why}" for addr, why in errors.items()))
+                raise self._departure()
             if time.monotonic() + delay > deadline:
                 last = "; ".join(f"{addr}: {why}" for addr, why in errors.items())
                 raise BrokerUnavailable(
@@ -315,12 +332,46 @@ class AmqpTransport(Transport):
         addresses = ", ".join(redact(u) for u in self.urls)
         return scrub(f"cannot reach RabbitMQ at {addresses}: {why}", self.urls).replace("\n", " ")
 
+    def winding_down(self) -> None:
+        """From now on a loss gets one pass over the addresses, not the reconnect budget: the
+        server is about to delete this user, and a deleted user's login is refused for good."""
+        self._winding_down = True
+
+    def _closed(self) -> bool:
+        """Whether the connection is really gone (what tells a lost ack or a ``ValueError`` from a
+        closed pika ioloop apart from a bug)."""
+        return self._conn is None or not self._conn.is_open
+
+    def _end(self, err: BaseException | str) -> None:
+        """Winding down and the connection is gone for good: close what is left, reopen nothing."""
+        if not self.departed:
+            log.info(
+                "the broker ended the connection at %s (%s); winding down, so not reconnecting",
+                redact(self.urls[self._address]),
+                scrub(str(err) or type(err).__name__, self.urls),
+                extra={"event": "amqp_departed"},
+            )
+        self.departed = True
+        self._safe_close()
+        self._deferred.clear()  # their channel is gone: they can be neither acked nor handled
+        self._cancelled.clear()
+
+    def _departure(self) -> Departed:
+        """What ``process`` and every broker call raise once departed (one line, no password)."""
+        addresses = ", ".join(redact(u) for u in self.urls)
+        return Departed(f"the connection to {addresses} ended while winding down; not reconnecting")
+
     def _reconnect(self, err: BaseException) -> None:
-        """After a loss: drop the connection and go on with the next address."""
-        log.warning(
-            "broker connection lost at %s (%s); reconnecting",
+        """After a loss: drop the connection and go on with the next address (winding down: one pass
+        over them, then ``Departed``; see ``_connect``). Once departed, nothing is tried again."""
+        if self.departed:
+            raise self._departure()
+        log.log(
+            logging.INFO if self._winding_down else logging.WARNING,
+            "broker connection lost at %s (%s); reconnecting%s",
             redact(self.urls[self._address]),
             scrub(str(err) or type(err).__name__, self.urls),
+            " once (winding down)" if self._winding_down else "",
             extra={"event": "amqp_lost"},
         )
         self.faults += 1
@@ -333,14 +384,20 @@ class AmqpTransport(Transport):
 
         A refusal (403, 406) is raised as it is: no reconnect makes it succeed. If a handler already
         reconnected inside ``fn`` (the old connection then fails under it), the new connection is
-        used as it is.
+        used as it is. A ``ValueError`` counts as a loss only when the connection is really closed
+        (pika's ioloop, once closed, raises it from a timer it cannot schedule); otherwise it is a
+        bug and raised. Once departed (see ``winding_down``) nothing is tried: ``Departed``.
         """
         deadline = time.monotonic() + self.options.reconnect_budget_s
         while True:
+            if self.departed:
+                raise self._departure()
             generation = self._generation
             try:
                 return fn()
-            except (*_CONNECTION_ERRORS, _PublishRefused) as err:
+            except (*_CONNECTION_ERRORS, _PublishRefused, ValueError) as err:
+                if isinstance(err, ValueError) and not self._closed():
+                    raise
                 if isinstance(err, pika.exceptions.ChannelClosedByBroker) and err.reply_code in _PERMANENT:
                     self._reset_channel()
                     raise
@@ -532,11 +589,11 @@ class AmqpTransport(Transport):
 
             def ack() -> None:
                 if generation == self._generation and chan.is_open:
-                    chan.basic_ack(tag)
+                    self._settle("ack", lambda: chan.basic_ack(tag))
 
             def nack(requeue: bool) -> None:
                 if generation == self._generation and chan.is_open:
-                    chan.basic_nack(tag, requeue=requeue)
+                    self._settle("nack", lambda: chan.basic_nack(tag, requeue=requeue))
 
             d = Delivery(
                 body=body,
@@ -556,6 +613,23 @@ class AmqpTransport(Transport):
         tag = ch.basic_consume(queue, on_message, auto_ack=False)
         self._tags[tag] = (queue, handler, prefetch)
 
+    def _settle(self, what: str, call: Callable[[], None]) -> None:
+        """An ack or nack. If the connection closed under it (the broker's close frame is read only
+        when pika flushes the ack), the broker redelivers the message, as after any lost connection:
+        not the handler's error, and the next ``process`` deals with the loss. Any other failure
+        (the connection still open) is raised."""
+        try:
+            call()
+        except (*_CONNECTION_ERRORS, ValueError) as err:
+            if not self._closed():
+                raise
+            log.info(
+                "an %s went with the lost connection (%s); the broker delivers the message again",
+                what,
+                scrub(str(err) or type(err).__name__, self.urls),
+                extra={"event": "amqp_settle_lost"},
+            )
+
     def _on_cancel(self, frame: pika.frame.Method[Basic.Cancel]) -> None:
         """The broker cancelled a consumer (its queue's node or leader is gone). Noted here and
         re-subscribed from ``process``: pika calls this while it dispatches, not a place to block."""
@@ -565,6 +639,12 @@ class AmqpTransport(Transport):
             self._cancelled.append(consumer)
 
     def _resubscribe(self) -> None:
+        """Subscribe again what the broker cancelled; winding down, a cancelled consumer (its queue
+        deleted with the host's user) is the end instead, never a queue declared again."""
+        if self._cancelled and self._winding_down:
+            queues = ", ".join(sorted({c[0] for c in self._cancelled}))
+            self._end(f"the broker cancelled the consumer of {queues}")
+            raise self._departure()
         while self._cancelled:
             queue, handler, prefetch = self._cancelled[0]
             metrics.BROKER_CONSUMER_CANCELS.labels(self.names.experiment).inc()
@@ -583,6 +663,8 @@ class AmqpTransport(Transport):
         self._with_reconnect(lambda: self._start_consumer(queue, handler, prefetch))
 
     def process(self, timeout: float) -> None:
+        if self.departed:
+            raise self._departure()
         if self._deferred:  # what arrived during a publish comes first, in arrival order
             while self._deferred:  # a reconnect inside a handler empties it (see ``_open``)
                 handler, delivery = self._deferred.popleft()
@@ -592,6 +674,8 @@ class AmqpTransport(Transport):
         def _run() -> None:
             if self._cancelled:
                 self._resubscribe()
+            if self._closed():  # it closed under a handler, which could only note it (see ``_settle``)
+                raise pika.exceptions.ConnectionWrongStateError("the connection closed")
             assert self._conn is not None
             self._conn.process_data_events(time_limit=timeout)
             if self._cancelled:
@@ -642,7 +726,8 @@ class AmqpTransport(Transport):
                 scrub(str(err), self.urls),
                 extra={"event": "amqp_dead_letter_failed", "reason": reason},
             )
-            self._reconnect(err)
+            with contextlib.suppress(Departed):  # not the handler's business: ``process`` raises it next
+                self._reconnect(err)
             return
         if generation == self._generation:
             delivery.ack()

@@ -113,6 +113,17 @@ class BrokerUnavailable(ConnectionError):
     addresses tried (passwords redacted): what a service prints before it exits non-zero."""
 
 
+class Departed(BrokerUnavailable):
+    """The connection of a transport that was winding down (``Transport.winding_down``) is gone,
+    and will not be opened again.
+
+    For a client host that handed every device back this is the expected end, not a fault: the server
+    then deletes the host's broker user, which makes the broker close its connection, and
+    reconnecting as a deleted user could only spend the reconnect budget and fail. A subclass of
+    ``BrokerUnavailable`` so that anyone not expecting it still ends with one line, not a traceback.
+    """
+
+
 class Transport(ABC):
     """What services need from a message broker."""
 
@@ -190,6 +201,16 @@ class Transport(ABC):
 
     @abstractmethod
     def delete_queue(self, queue: str) -> None: ...
+
+    def winding_down(self) -> None:
+        """Nothing more is expected of the broker: a lost connection from now on is the end.
+
+        A leaving client host calls this once it has handed every device back, because the server
+        then deletes its broker user and queue and the broker closes its connection. From then on a
+        lost connection (or a cancelled consumer) is not reconnected: ``process`` raises
+        ``Departed``. In one process nothing is deleted under a service, so this does nothing.
+        """
+        return  # nothing to note: no broker deletes anything under an in-process service
 
     @abstractmethod
     def close(self) -> None: ...
