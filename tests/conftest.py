@@ -8,6 +8,7 @@ failure.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -151,6 +152,18 @@ def read_rounds(run_dir: Path) -> list[dict[str, str]]:
 
     with (run_dir / "rounds.csv").open() as f:
         return list(csv.DictReader(f))
+
+
+def log_events(text: str) -> list[dict[str, Any]]:
+    """A service's structured log lines (one JSON object per line; anything else is skipped)."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
 
 
 def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.1) -> None:

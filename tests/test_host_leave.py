@@ -15,7 +15,6 @@ unacknowledged, the user deleted, the broker's close frame waited for on the soc
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import select
@@ -38,7 +37,7 @@ from shared import identity, provision
 from shared.transport import KEY_CLIENTS, KEY_SERVER, BrokerUnavailable, Delivery, key_host
 from shared.transport.amqp import AmqpTransport, BrokerOptions
 from shared.transport.base import Departed
-from tests.conftest import read_rounds, wait_for, write_config
+from tests.conftest import log_events, read_rounds, wait_for, write_config
 from tests.test_security_e2e import ADMIN_API, Deployment, _ctl, _host_users
 
 pytestmark = pytest.mark.broker
@@ -218,14 +217,7 @@ FLEET = {"preset": "uniform", "overrides": {"default": {"flops_per_s": "8MFLOP/s
 
 
 def _json_events(proc: ServiceProcess) -> list[dict[str, Any]]:
-    out = []
-    for line in proc.text().splitlines():
-        if line.startswith("{"):
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return out
+    return log_events(proc.text())
 
 
 def _has(proc: ServiceProcess, event: str, text: str = "") -> bool:

@@ -21,7 +21,6 @@ device's task key.
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ from services.orchestrator import run_inproc
 from shared.config import load_config
 from shared.schemas import Kind, Task, decode
 from shared.transport.amqp import AmqpTransport
-from tests.conftest import read_rounds, wait_for, write_config
+from tests.conftest import log_events, read_rounds, wait_for, write_config
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
@@ -69,15 +68,7 @@ def _config(tmp_path: Path, devices_per_round: int) -> Path:
 
 
 def _events(proc: Proc) -> list[dict[str, Any]]:
-    """A service's structured log lines (one JSON object per line; anything else is skipped)."""
-    out = []
-    for line in proc.text().splitlines():
-        if line.startswith("{"):
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return out
+    return log_events(proc.text())
 
 
 def _count(proc: Proc, event: str) -> int:
