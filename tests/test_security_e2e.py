@@ -88,12 +88,23 @@ class Deployment:
         self.users = [identity.server_user(), identity.aggregator_user(), identity.join_user()]
         assert _ctl("add_vhost", self.vhost).returncode == 0
         # the admin the server makes host users with must see the scratch vhost
-        _ctl("set_permissions", "-p", self.vhost, "guest", ".*", ".*", ".*")
+        assert _ctl("set_permissions", "-p", self.vhost, "guest", ".*", ".*", ".*").returncode == 0
         for user, perm in provision.role_permissions(experiment).items():
             assert _ctl("add_user", user, self.password).returncode == 0
-            _ctl("set_permissions", "-p", self.vhost, user, perm.configure, perm.write, perm.read)
-            exchange = f"ff.{experiment}"
-            _ctl("set_topic_permissions", "-p", self.vhost, user, exchange, perm.topic_write, perm.topic_read)
+            for args in (
+                ("set_permissions", "-p", self.vhost, user, perm.configure, perm.write, perm.read),
+                (
+                    "set_topic_permissions",
+                    "-p",
+                    self.vhost,
+                    user,
+                    f"ff.{experiment}",
+                    perm.topic_write,
+                    perm.topic_read,
+                ),
+            ):
+                done = _ctl(*args)
+                assert done.returncode == 0, f"rabbitmqctl {args[0]} {user}: {done.stderr.strip()}"
 
     def url(self, user: str, password: str | None = None) -> str:
         return f"amqp://{user}:{password or self.password}@127.0.0.1:5672/{self.vhost}"
@@ -231,7 +242,17 @@ def test_every_attack_a_client_host_can_make_is_refused(tmp_path: Path) -> None:
         # process, far faster than they do, and would otherwise be leased every device), then runs
         # as a client of its own user
         serving = '"lease_applied"'
-        wait_for(lambda: all(serving in c.text() for c in honest), 300, "the honest hosts to serve devices")
+
+        def honest_serving() -> bool:
+            for c in honest:  # a host that died will never serve: say so now, with its log
+                assert c.alive(), f"host {c.name} exited {c.returncode}:\n{c.text()[-3000:]}"
+            return all(serving in c.text() for c in honest)
+
+        try:
+            wait_for(honest_serving, 300, "the honest hosts to serve devices")
+        except AssertionError as err:  # twice seen in full-suite runs only: keep what the services said
+            logs = "\n".join(f"--- {p.name}:\n{p.text()[-2500:]}" for p in [server, *honest])
+            raise AssertionError(f"{err}\n{logs}") from None
         reply = provision.join(dep.url(identity.join_user()), experiment, hint="attacker")
         host_url = dep.url(reply.user, reply.password)
         attacker = Attacker(
