@@ -34,9 +34,8 @@ import pytest
 
 from services.orchestrator import ProcessCluster, ServiceProcess
 from shared import identity, provision
-from shared.transport import KEY_CLIENTS, KEY_SERVER, BrokerUnavailable, Delivery, key_host
+from shared.transport import KEY_CLIENTS, KEY_SERVER, BrokerUnavailable, Delivery, Departed, key_host
 from shared.transport.amqp import AmqpTransport, BrokerOptions
-from shared.transport.base import Departed
 from tests.conftest import log_events, read_rounds, wait_for, write_config
 from tests.test_security_e2e import ADMIN_API, Deployment, _ctl, _host_users
 

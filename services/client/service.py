@@ -77,11 +77,11 @@ from shared.transport import (
     KEY_SERVER,
     KEY_UPDATE,
     Delivery,
+    Departed,
     Transport,
     Unroutable,
     key_host,
 )
-from shared.transport.base import Departed
 
 
 def per_device_bytes(exp: Experiment) -> int:
@@ -245,8 +245,7 @@ class Client(ServiceBase):
                 time.sleep(max(poll_s, 0.5))
                 continue
             try:
-                self.transport.process(poll_s)
-                self.tick()
+                self.turn(poll_s)
             except Departed:
                 self._departed()
 
