@@ -219,11 +219,22 @@ class InjectingClient(Client):
                     real_publish(key, body, headers)  # the duplicate update
                     self.injected.append("duplicate")
 
+            real_many = self.transport.publish_many
+
+            def twice_many(items: Any) -> set[str]:
+                # in virtual time the update goes out in the turn's batch (``publish_soon``)
+                dup = [item for item in items if item[0] == KEY_UPDATE]
+                self.injected += ["duplicate"] * len(dup)
+                return real_many([*items, *dup])
+
             self.transport.publish = twice  # type: ignore[method-assign]
+            self.transport.publish_many = twice_many  # type: ignore[method-assign]
             try:
                 super().on_task(env, msg, d)
+                self.flush()  # the batch holding the update, while the duplicating is on
             finally:
                 self.transport.publish = real_publish  # type: ignore[method-assign]
+                self.transport.publish_many = real_many  # type: ignore[method-assign]
             return
         super().on_task(env, msg, d)
 

@@ -259,3 +259,46 @@ def test_send_soon_publishes_at_the_flush_in_order_and_says_when_nobody_listens(
     bodies = [decode(d.body, max_bytes=1 << 20, exp=t.names.experiment)[1] for d in got]
     assert [b.device_id for b in bodies] == [3, 1, 2]
     assert all(isinstance(b, Receipt) for b in bodies)
+
+
+def test_publish_soon_acks_what_it_answers_only_once_published(make: Factory) -> None:
+    """``publish_soon`` (a client's uploads in virtual time): the delivery a message answers (its
+    task) is acked by the flush that published it, never before; if no queue took the message the
+    task is dead-lettered ``unroutable`` instead of acked away; :data:`OUTBOX_LIMIT` waiting
+    messages flush without waiting for the turn's end."""
+    from services.common import OUTBOX_LIMIT
+    from shared.schemas import Kind, Receipt, encode
+    from shared.transport.base import KEY_SERVER
+
+    t, reader = make(), make()
+    sink = _Sink(t, max_bytes=1 << 20)
+    tasks_q = _queue(t, "tasks")
+    t.declare_queue(tasks_q, ["tasks"])
+    for i in range(OUTBOX_LIMIT + 1):
+        t.publish("tasks", f"task {i}".encode())
+    tasks: list[Delivery] = []
+    t.consume(tasks_q, tasks.append, prefetch=OUTBOX_LIMIT + 1)
+    _pump([t], lambda: len(tasks) == OUTBOX_LIMIT + 1)
+
+    def answer(device: int) -> bytes:
+        body = Receipt(device_id=device, aggregator_id="a", update_bytes=1, dense_bytes=1, num_samples=1)
+        return encode(Kind.RECEIPT, body, exp=t.names.experiment, round=1, sender="server")
+
+    # nobody bound for the key: the task is dead-lettered with the reason, not acked
+    sink.publish_soon(KEY_SERVER, Kind.RECEIPT, answer(0), answers=tasks[0])
+    assert not tasks[0].settled
+    sink.flush()
+    assert tasks[0].settled
+    got = _dead_letters(reader, 1)
+    assert [d.headers["x-fedfleet-reason"] for d in got] == ["unroutable"]
+    assert got[0].body == b"task 0"
+
+    q = _queue(t)
+    t.declare_queue(q, [KEY_SERVER])
+    for i in range(1, OUTBOX_LIMIT):
+        sink.publish_soon(KEY_SERVER, Kind.RECEIPT, answer(i), answers=tasks[i])
+    assert t.queue_depth(q) == 0 and not any(d.settled for d in tasks[1:])
+    sink.publish_soon(KEY_SERVER, Kind.RECEIPT, answer(OUTBOX_LIMIT), answers=tasks[OUTBOX_LIMIT])
+    # the limit is reached: published and acked without a flush of the caller's
+    assert t.queue_depth(q) == OUTBOX_LIMIT and all(d.settled for d in tasks) and not sink.outbox
+    assert t.queue_depth(tasks_q) == 0

@@ -71,6 +71,7 @@ from shared.schemas import (
     Update,
     device_bytes,
     encode,
+    pack_body,
 )
 from shared.transport import (
     KEY_CLIENTS,
@@ -420,7 +421,8 @@ class Client(ServiceBase):
             if not self._dropped_out(env, msg, device, task_bytes):
                 update, compute_s = self._train(env, task, device)
                 self._sync_state(dev)  # before the update: the server has it before the round ends
-                self._deliver(env, msg, update, device, task_bytes, down_s, compute_s)
+                if self._deliver(env, msg, update, device, task_bytes, down_s, compute_s, d):
+                    return  # acked once its upload is published (``publish_soon``)
         d.ack()
 
     def _admitted(self, env: Envelope, msg: Task, task: TaskSpec, device: Device, task_bytes: int) -> bool:
@@ -515,8 +517,10 @@ class Client(ServiceBase):
         task_bytes: int,
         down_s: float,
         compute_s: float,
-    ) -> None:
-        """Encode the update and upload it — or, in first-finishers rounds, hold it and report ``ready``."""
+        d: Delivery,
+    ) -> bool:
+        """Encode the update and upload it — or, in first-finishers rounds, hold it and report ``ready``.
+        True: the upload waits for the next flush, which acks ``d``."""
         dev = device.device_id
         tensors, dense = encode_tensors(update.tensors)
 
@@ -529,6 +533,8 @@ class Client(ServiceBase):
                 task_bytes=task_bytes,
                 timings=Timings(download_s=down_s, compute_s=compute_s, upload_s=up_s),
             )
+            if not packed:
+                packed.append(pack_body(Kind.UPDATE, upd, known=known))
             return encode(
                 Kind.UPDATE,
                 upd,
@@ -538,10 +544,12 @@ class Client(ServiceBase):
                 inc=env.inc,
                 key=msg.key.hex(),
                 known=known,
+                packed=packed[0],
             )
 
         layout = self.payload_layouts.get(msg.payload)
         known = {layout: self.layouts[layout]} if layout is not None and layout in self.layouts else None
+        packed: list[bytes] = []  # the tensors, packed once for both encodings below
         # what the device uploads: the message without its telemetry (metrics and timings are the
         # emulator's, not the device's), known once encoded; filling the timings in changes only them
         size = device_bytes(body(0.0))
@@ -553,19 +561,29 @@ class Client(ServiceBase):
             self.held[key] = _Held(self._hold(data), dense, up_s, device)
             ready = Ready(device_id=dev, finish_s=down_s + compute_s + up_s, update_bytes=size)
             self._notify(env, msg, ready, Kind.READY)
-        else:
-            self._upload(data, dense, device, up_s)
+            return False
+        return self._upload(data, dense, device, up_s, d)
 
-    def _upload(self, data: bytes, dense: int, device: Device, up_s: float) -> None:
-        real = self.emulation.time_mode == "real"
+    def _upload(self, data: bytes, dense: int, device: Device, up_s: float, d: Delivery) -> bool:
+        """Publish an update. True: it waits for the next flush, which acks ``d`` (virtual time).
+
+        Why two ways: in real time the upload is paced as the device's link would take it, and
+        published when that time is over, one by one. In virtual time nothing waits, so the
+        uploads of one turn of the loop go out together (one broker commit, not a confirm each);
+        ``d``, the task, is acked after that, so a crash in between redelivers the task."""
+        if self.emulation.time_mode != "real":
+            self.publish_soon(KEY_UPDATE, Kind.UPDATE, data, dense_bytes=dense, answers=d)
+            self._observe(metrics.CLIENT_TRANSFER_SECONDS, device.tier, up_s, None, direction="up")
+            return True
         t0 = time.perf_counter()
-        if real:  # pace the upload for real; the emulated duration is already known
-            emulate_transfer(
-                device_bytes(data), device.profile, "up", mode="real", time_factor=self.emulation.time_factor
-            )
+        emulate_transfer(
+            device_bytes(data), device.profile, "up", mode="real", time_factor=self.emulation.time_factor
+        )
         self.publish_raw(KEY_UPDATE, Kind.UPDATE, data, dense_bytes=dense)
-        real_s = time.perf_counter() - t0 if real else None
-        self._observe(metrics.CLIENT_TRANSFER_SECONDS, device.tier, up_s, real_s, direction="up")
+        self._observe(
+            metrics.CLIENT_TRANSFER_SECONDS, device.tier, up_s, time.perf_counter() - t0, direction="up"
+        )
+        return False
 
     def _context(self, dev: int, round: int) -> DeviceContext:
         return DeviceContext(
@@ -614,10 +632,12 @@ class Client(ServiceBase):
 
     def on_go(self, env: Envelope, msg: Go, d: Delivery) -> None:
         held = self.held.pop((env.inc, env.round, msg.device_id), None)
+        queued = False  # the go is acked by the flush that publishes the upload
         if held is not None:
             if msg.upload:
-                self._upload(held.path.read_bytes(), held.dense_bytes, held.device, held.upload_s)
+                queued = self._upload(held.path.read_bytes(), held.dense_bytes, held.device, held.upload_s, d)
             held.path.unlink(missing_ok=True)
-        d.ack()
+        if not queued:
+            d.ack()
         # forget anything older than this round (a round can be abandoned by a server restart)
         self._discard_held(lambda key: key[1] < env.round)

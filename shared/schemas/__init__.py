@@ -12,6 +12,7 @@ Bytes on the wire are msgpack; there is no pickle anywhere and nothing executes 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import math
@@ -475,6 +476,7 @@ def new_incarnation() -> str:
     return f"{secrets.randbits(8 * INC_BYTES - 1) | 1 << (8 * INC_BYTES - 1):08x}"
 
 
+@functools.lru_cache(maxsize=64)
 def exp_tag(exp: str) -> int:
     """The 32-bit tag of an experiment id that travels instead of the id (``Envelope.exp_tag``)."""
     return int.from_bytes(hashlib.sha256(exp.encode()).digest()[:4], "big")
@@ -543,10 +545,20 @@ def _positional(
 
 
 def _is_default(model: _Body, name: str) -> bool:
-    info = type(model).model_fields[name]
-    if info.is_required():
-        return False
-    return bool(getattr(model, name) == info.get_default(call_default_factory=True))
+    default = _default(type(model), name)
+    return default is not _REQUIRED and bool(getattr(model, name) == default)
+
+
+_REQUIRED = object()
+
+
+@functools.cache
+def _default(cls: type[_Body], name: str) -> Any:
+    """A field's default (a factory's, made once), or ``_REQUIRED``. Cached: pydantic inspects
+    the factory's signature on every ``get_default``, a tenth of encoding an update (issue 16's
+    profile). Only compared against, never handed out, so one shared instance is safe."""
+    info = cls.model_fields[name]
+    return _REQUIRED if info.is_required() else info.get_default(call_default_factory=True)
 
 
 def _from_positional(
@@ -601,8 +613,13 @@ def encode(
     key: str = "",
     known: Mapping[bytes, Any] | None = None,
     version: int = SCHEMA_VERSION,
+    packed: bytes | None = None,
 ) -> bytes:
     """Serialize one message; with ``key`` (a device's task key) it carries a MAC of its bytes.
+
+    ``packed``: the body without its telemetry, as :func:`pack_body` made it for this ``body``,
+    ``known`` and ``version`` (a client encodes an update twice, before and after it knows the
+    upload's duration, which is telemetry: the tensors are packed once).
 
     ``version``: :data:`SCHEMA_VERSION` (the default), or :data:`PREVIOUS_VERSION` for a peer that
     speaks only that one.
@@ -628,11 +645,9 @@ def encode(
         raise ValueError(
             f"this build writes schema versions {PREVIOUS_VERSION} and {SCHEMA_VERSION}, not {version}"
         )
-    names, tel_names = _body_fields(kind)
-    blobs: list[bytes] | None = [] if version == SCHEMA_VERSION else None
-    packed = codec.packb(_positional(body, names, known, blobs))
-    if blobs:
-        packed += blobs[0]
+    if packed is None:
+        packed = pack_body(kind, body, known=known, version=version)
+    tel_names = TELEMETRY.get(kind, ())
     tel_values = _positional(body, tel_names, known) if tel_names else []
     tel = codec.packb(tel_values) if tel_values else b""
     inc_b = bytes.fromhex(inc)
@@ -644,6 +659,17 @@ def encode(
     while env[-1] == b"":
         env.pop()
     return codec.packb(env)
+
+
+def pack_body(
+    kind: Kind, body: _Body, *, known: Mapping[bytes, Any] | None = None, version: int = SCHEMA_VERSION
+) -> bytes:
+    """The body bin of :func:`encode`: the body's fields but its telemetry, positional, with its
+    tensor sets' blobs after them (version 5)."""
+    names, _ = _body_fields(kind)
+    blobs: list[bytes] | None = [] if version == SCHEMA_VERSION else None
+    packed = codec.packb(_positional(body, names, known, blobs))
+    return packed + blobs[0] if blobs else packed
 
 
 def decode(
