@@ -98,6 +98,30 @@ def test_unacked_messages_are_redelivered_to_another_consumer(broker_url: str, e
         b.close()
 
 
+def test_acks_left_unflushed_still_reach_the_broker_before_close(broker_url: str, experiment_id: str) -> None:
+    """An ack is queued, not flushed (``_ack_unflushed``); closing right after the handlers acked
+    must still deliver the acks first, or the broker would hand the messages out again."""
+    q = f"ff.{experiment_id}.acked"
+    a = AmqpTransport(broker_url, experiment_id)
+    b = AmqpTransport(broker_url, experiment_id)
+    try:
+        a.declare_queue(q, ["work"])
+        done: list[Delivery] = []
+        a.consume(q, _keep(done), prefetch=10)
+        for i in range(3):
+            a.publish("work", b"m%d" % i)
+        _drain(a, done, 3)
+        assert len(done) == 3
+        a.close()  # no process after the last ack
+        again: list[Delivery] = []
+        b.consume(q, _keep(again), prefetch=10)
+        _drain(b, again, 1, timeout=1.5)
+        assert again == [] and b.queue_depth(q) == 0
+    finally:
+        b.delete_experiment([q])
+        b.close()
+
+
 def test_prefetch_bounds_what_one_consumer_holds(broker_url: str, experiment_id: str) -> None:
     q = f"ff.{experiment_id}.bounded"
     t = AmqpTransport(broker_url, experiment_id)

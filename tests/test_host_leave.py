@@ -120,18 +120,23 @@ def _events(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [getattr(r, "event", "") for r in caplog.records]
 
 
+@pytest.mark.parametrize("settle", ["ack", "nack"])
 def test_a_winding_down_host_whose_user_is_deleted_ends_at_once(
-    host: Host, caplog: pytest.LogCaptureFixture
+    host: Host, caplog: pytest.LogCaptureFixture, settle: str
 ) -> None:
-    """The leave as the server makes it happen: the ack goes with the connection (not raised), and
-    ``process`` ends the transport with ``Departed`` after one refused login, no reconnect loop."""
+    """The leave as the server makes it happen: the ack (or nack) goes with the connection (not
+    raised), and ``process`` ends the transport with ``Departed`` after one refused login, no
+    reconnect loop."""
     caplog.set_level(logging.INFO, logger="shared.transport.amqp")
     d = host.deliver_one()
     host.transport.winding_down()
     host.admin.delete_host(host.owner.names.experiment, host.host_id)
     host.await_close_frame()
-    d.ack()  # was ConnectionClosedByBroker out of the handler
-    assert "amqp_settle_lost" in _events(caplog)
+    if settle == "ack":
+        d.ack()  # queued, not flushed (``_ack_unflushed``): the next ``process`` meets the loss
+    else:
+        d.nack(requeue=True)  # flushed at once: was ConnectionClosedByBroker out of the handler
+        assert "amqp_settle_lost" in _events(caplog)
     with pytest.raises(Departed):
         host.transport.process(0.1)  # was ValueError: Timeout closed before call
     assert host.transport.departed
