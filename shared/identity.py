@@ -113,6 +113,7 @@ ACCEPTS: dict[str, dict[Kind, Role]] = {
     "server": {
         **dict.fromkeys(_FROM_HOSTS, Role.HOST),
         Kind.RECEIPT: Role.AGGREGATOR,
+        Kind.RECEIPTS: Role.AGGREGATOR,
         Kind.PARTIAL: Role.AGGREGATOR,
         Kind.JOIN: Role.JOIN,
     },

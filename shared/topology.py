@@ -34,6 +34,7 @@ ROUTES: dict[Kind, tuple[str, ...]] = {
     Kind.TASK: (HOST_KEY,),
     Kind.UPDATE: (KEY_UPDATE,),
     Kind.RECEIPT: (KEY_SERVER,),
+    Kind.RECEIPTS: (KEY_SERVER,),
     Kind.REJECT: (KEY_SERVER,),
     Kind.FLUSH: (KEY_AGGREGATORS,),
     Kind.PARTIAL: (KEY_SERVER,),

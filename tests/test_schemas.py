@@ -62,6 +62,26 @@ def _sample(kind: Kind) -> object:
                 "dense_bytes": 1,
                 "num_samples": 1,
             },
+            Kind.RECEIPTS: {
+                "receipts": [
+                    {
+                        "device_id": 1,
+                        "aggregator_id": "a",
+                        "update_bytes": 1,
+                        "dense_bytes": 1,
+                        "num_samples": 1,
+                    },
+                    {
+                        "device_id": 2,
+                        "aggregator_id": "a",
+                        "update_bytes": 9,
+                        "dense_bytes": 4,
+                        "num_samples": 3,
+                        "metrics": {"train_loss": 0.25},
+                        "timings": {"download_s": 0.5, "compute_s": 1.5, "upload_s": 0.25},
+                    },
+                ]
+            },
             Kind.REJECT: {"device_id": 1, "reason": "memory"},
             Kind.FLUSH: {},
             Kind.DECISION: {"seq": 1, "accepted": True},

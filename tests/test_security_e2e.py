@@ -7,7 +7,8 @@ gets a broker user of its own from the server (RabbitMQ's management API), with
 ``shared.provision.host_permissions``. One of the hosts is the attacker: a real client that serves
 its devices honestly, and in round 2 tries everything a client host can try:
 
-* send the server a partial aggregate (only aggregators may) — dead-lettered ``wrong-sender``;
+* send the server a partial aggregate, or receipts claiming other devices' updates arrived (only
+  aggregators may send either) — dead-lettered ``wrong-sender``;
 * read the round key meant for aggregators (bind its queue to ``aggregators``) — the broker refuses;
 * read other devices' updates (consume the updates queue, bind ``update``) — the broker refuses;
 * send an update for another host's device, and an altered copy of one of its own — ``forged``;
@@ -42,7 +43,7 @@ from services.orchestrator import ProcessCluster, run_inproc
 from shared import codec, identity, provision
 from shared.config import load_config
 from shared.experiment import Experiment
-from shared.schemas import Kind, Partial, Reject, Stop, Update, encode
+from shared.schemas import Kind, Partial, Receipt, Receipts, Reject, Stop, Update, encode
 from shared.transport import KEY_AGGREGATORS, KEY_CLIENTS, KEY_SERVER, KEY_UPDATE
 from shared.transport.amqp import AmqpTransport
 from tests.conftest import read_rounds, wait_for, write_config
@@ -165,6 +166,10 @@ class Attacker(Client):
         # 1. a partial aggregate, which only aggregators may send
         partial = Partial(aggregator_id="evil", seq=1, devices=[msg.device_id], tensors=dense)
         self.transport.publish(KEY_SERVER, message(Kind.PARTIAL, partial))
+        receipt = Receipt(
+            device_id=others[0], aggregator_id="evil", update_bytes=1, dense_bytes=1, num_samples=10
+        )
+        self.transport.publish(KEY_SERVER, message(Kind.RECEIPTS, Receipts(receipts=[receipt])))
         # 3. an update for another host's device (MAC'd with this device's key), an altered copy of
         #    one of its own, and a refusal in another device's name
         other = Update(device_id=others[0], num_samples=10, tensors=dense)
@@ -286,7 +291,7 @@ def test_every_attack_a_client_host_can_make_is_refused(tmp_path: Path) -> None:
                 break
             reasons.append(props.headers["x-fedfleet-reason"])
         conn.close()
-        assert reasons.count("wrong-sender") >= 1, reasons  # the partial
+        assert reasons.count("wrong-sender") >= 2, reasons  # the partial, the receipts
         assert reasons.count("forged") >= 3, reasons  # other's update, altered copy, other's refusal
         # no attack changed anything: the model of the same run without an attacker
         assert [r["outcome"] for r in read_rounds(cluster.run_dir)] == ["completed"] * 4

@@ -35,7 +35,18 @@ from shared import codec, metrics
 from shared.algorithms.base import Partial, Strategy, UpdateSpec
 from shared.codec import tensorset
 from shared.config import BoundsConfig
-from shared.schemas import Decision, Envelope, Kind, Receipt, RoundOpen, Update, task_key, verify
+from shared.schemas import (
+    MAX_RECEIPTS,
+    Decision,
+    Envelope,
+    Kind,
+    Receipt,
+    Receipts,
+    RoundOpen,
+    Update,
+    task_key,
+    verify,
+)
 from shared.schemas import Partial as PartialMsg
 from shared.transport import KEY_AGGREGATORS, KEY_SERVER, KEY_UPDATE, Delivery, Transport, key_aggregator
 
@@ -124,6 +135,9 @@ class Aggregator(ServiceBase):
         self.round_layouts: dict[bytes, tensorset.Layout] = {}  # the open round's payload layouts
         self.batch = _Batch()
         self.pending: dict[int, _Batch] = {}
+        #: receipts of this turn's accepted updates, by (round, incarnation): one ``Receipts`` each
+        #: at the flush
+        self.receipts: dict[tuple[int, str], list[Receipt]] = {}
         self.seen: set[int] = set()  # devices reduced in the current round by this aggregator
         self.seq = 0
         names = transport.names
@@ -360,12 +374,10 @@ class Aggregator(ServiceBase):
         return len(self.batch.deliveries) + sum(len(b.deliveries) for b in self.pending.values())
 
     def _receipt(self, env: Envelope, msg: Update, d: Delivery, update: UpdateSpec) -> None:
-        # queued, not confirmed one by one: the update it reports is acked only once its partial is
-        # decided, after this receipt went out (``_send`` flushes first), so a crash in between
-        # redelivers the update and it is receipted again
-        self.send_soon(
-            KEY_SERVER,
-            Kind.RECEIPT,
+        # held for the turn's ``Receipts``, not confirmed one by one: the update it reports is acked
+        # only once its partial is decided, after the receipts went out (``_send`` flushes first),
+        # so a crash in between redelivers the update and it is receipted again
+        self.receipts.setdefault((env.round, env.inc), []).append(
             Receipt(
                 device_id=msg.device_id,
                 aggregator_id=self.aggregator_id,
@@ -375,10 +387,18 @@ class Aggregator(ServiceBase):
                 metrics=msg.metrics,
                 timings=msg.timings,
                 telemetry_bytes=env.telemetry_bytes,
-            ),
-            round=env.round,
-            inc=env.inc,
+            )
         )
+
+    def flush(self) -> None:
+        """The turn's receipts as one ``Receipts`` per round (at most ``MAX_RECEIPTS`` each), then
+        everything queued, published."""
+        held, self.receipts = self.receipts, {}
+        for (round, inc), receipts in held.items():
+            for i in range(0, len(receipts), MAX_RECEIPTS):
+                chunk = Receipts(receipts=receipts[i : i + MAX_RECEIPTS])
+                self.send_soon(KEY_SERVER, Kind.RECEIPTS, chunk, round=round, inc=inc)
+        super().flush()
 
     def _send_batch(self) -> None:
         if self.batch.deliveries:

@@ -66,6 +66,7 @@ from shared.schemas import (
     MetricKey,
     Ready,
     Receipt,
+    Receipts,
     Reject,
     RoundOpen,
     RoundSummary,
@@ -180,6 +181,7 @@ class Server(ServiceBase):
             Kind.HEARTBEAT: self.on_heartbeat,
             Kind.DEVICE_STATE: self.on_device_state,
             Kind.RECEIPT: self.on_receipt,
+            Kind.RECEIPTS: self.on_receipts,
             Kind.REJECT: self.on_reject,
             Kind.PARTIAL: self.on_partial,
             Kind.READY: self.on_ready,
@@ -300,11 +302,21 @@ class Server(ServiceBase):
 
     def on_receipt(self, env: Envelope, msg: Receipt, d: Delivery) -> None:
         if (rs := self._open(env)) is not None:
-            if msg.refused:
-                self._update_refused(rs, msg)
-            else:
-                rs.receipt(msg)
+            self._receipt(rs, msg)
         d.ack()
+
+    def on_receipts(self, env: Envelope, msg: Receipts, d: Delivery) -> None:
+        """One aggregator turn's receipts: each as a lone ``Receipt``, one ack for all."""
+        if (rs := self._open(env)) is not None:
+            for receipt in msg.receipts:
+                self._receipt(rs, receipt)
+        d.ack()
+
+    def _receipt(self, rs: RoundState, msg: Receipt) -> None:
+        if msg.refused:
+            self._update_refused(rs, msg)
+        else:
+            rs.receipt(msg)
 
     def _update_refused(self, rs: RoundState, msg: Receipt) -> None:
         """An aggregator dead-lettered the device's update as out of bounds: the device has answered,
