@@ -332,7 +332,7 @@ def test_summary_bytes_are_the_bytes_of_every_message(
     rows = csv.DictReader(io.StringIO((run.run_dir / "rounds.csv").read_text()))
     rounds_broker = sum(int(r["broker_bytes"]) for r in rows)
     assert rounds_broker == summary["broker_bytes"]
-    core = sum(carried.get(k, 0) for k in ("task", "update", "receipt", "partial", "round_open"))
+    core = sum(carried.get(k, 0) for k in ("task", "update", "receipts", "partial", "round_open"))
     core += run.seen.payload_for.get("task", 0)  # the evaluation's payloads are not a round's
     assert core <= rounds_broker <= sum(carried.values())
     if algorithm == "fedavg":  # one model for every device: it crossed the broker once per host
