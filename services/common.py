@@ -254,6 +254,12 @@ class ServiceBase:
         if len(self.outbox) >= OUTBOX_LIMIT:
             self.flush()
 
+    def ack_unless_queued(self, d: Delivery) -> None:
+        """Ack ``d`` now, unless a message waiting for the flush answers it: the flush acks it then
+        (``publish_soon``'s ``answers``)."""
+        if not any(o.answers is d for o in self.outbox):
+            d.ack()
+
     def flush(self) -> None:
         """Publish what ``send_soon`` / ``publish_soon`` queued, one batch per kind, in the order
         they were queued; then ack the deliveries they answer."""

@@ -356,10 +356,20 @@ class Client(ServiceBase):
         else:  # a host already told to leave (SIGTERM) goes: idling would outlive its pod's grace period
             self.stopped = True
 
-    def _notify(self, env: Envelope, msg: Task, body: Reject | Ready | EvalResult, kind: Kind) -> None:
-        """A device's answer to its task, MAC'd with the task's key (only that task carried it)."""
+    def _notify(
+        self, env: Envelope, msg: Task, body: Reject | Ready | EvalResult, kind: Kind, d: Delivery
+    ) -> None:
+        """A device's answer to its task ``d``, MAC'd with the task's key (only that task carried it).
+
+        In virtual time it goes out with the turn's other answers (``publish_soon``), and the flush
+        acks ``d``; in real time at once, when the device answers (its timing is the point)."""
         # no sender name: the device id is in the body, and a device's bytes are counted
-        self.send(KEY_SERVER, kind, body, round=env.round, inc=env.inc, sender="", mac_key=msg.key.hex())
+        key = msg.key.hex()
+        data = encode(kind, body, exp=self.experiment, round=env.round, sender="", inc=env.inc, key=key)
+        if self.emulation.time_mode == "real":
+            self.publish_raw(KEY_SERVER, kind, data)
+        else:
+            self.publish_soon(KEY_SERVER, kind, data, answers=d)
 
     def _observe(self, metric: Any, tier: str, seconds: float, real_s: float | None, **labels: str) -> None:
         metric.labels(self.experiment, self.algorithm, tier, *labels.values(), "virtual").observe(seconds)
@@ -416,16 +426,17 @@ class Client(ServiceBase):
         task = TaskSpec(tensors, dict(msg.config))
         # what the emulated device downloads: its task and the payload, as one message
         task_bytes = len(d.body) + msg.payload_bytes
-        if self._admitted(env, msg, task, device, task_bytes):
+        if self._admitted(env, msg, task, device, task_bytes, d):
             down_s = self._download(task, device, task_bytes)
-            if not self._dropped_out(env, msg, device, task_bytes):
+            if not self._dropped_out(env, msg, device, task_bytes, d):
                 update, compute_s = self._train(env, task, device)
                 self._sync_state(dev)  # before the update: the server has it before the round ends
-                if self._deliver(env, msg, update, device, task_bytes, down_s, compute_s, d):
-                    return  # acked once its upload is published (``publish_soon``)
-        d.ack()
+                self._deliver(env, msg, update, device, task_bytes, down_s, compute_s, d)
+        self.ack_unless_queued(d)  # an answer waiting for the flush acks it once published
 
-    def _admitted(self, env: Envelope, msg: Task, task: TaskSpec, device: Device, task_bytes: int) -> bool:
+    def _admitted(
+        self, env: Envelope, msg: Task, task: TaskSpec, device: Device, task_bytes: int, d: Delivery
+    ) -> bool:
         """Memory admission: nothing ever trains over budget. A refused task is reported, never skipped."""
         dev, tier = device.device_id, device.tier
         extra = self.strategy.task_extra_peak(task, len(self.data[dev].y_train))
@@ -446,7 +457,7 @@ class Client(ServiceBase):
             budget_bytes=verdict.budget_bytes,
             task_bytes=task_bytes,
         )
-        self._notify(env, msg, refusal, Kind.REJECT)
+        self._notify(env, msg, refusal, Kind.REJECT, d)
         return False
 
     def _download(self, task: TaskSpec, device: Device, task_bytes: int) -> float:
@@ -461,7 +472,7 @@ class Client(ServiceBase):
         self._observe(metrics.CLIENT_TRANSFER_SECONDS, device.tier, down_s, real_s, direction="down")
         return down_s
 
-    def _dropped_out(self, env: Envelope, msg: Task, device: Device, task_bytes: int) -> bool:
+    def _dropped_out(self, env: Envelope, msg: Task, device: Device, task_bytes: int, d: Delivery) -> bool:
         """The device's availability coin for this round: True if it vanishes after the download."""
         dev = device.device_id
         if dropout_point(device, env.round, self.exp.cfg.seed) is None:
@@ -471,7 +482,7 @@ class Client(ServiceBase):
             # In virtual time the server's deadline would pass at no cost; tell it now instead of
             # making it wait in wall time. In real mode the device just goes silent.
             notice = Reject(device_id=dev, reason="dropout", task_bytes=task_bytes)
-            self._notify(env, msg, notice, Kind.REJECT)
+            self._notify(env, msg, notice, Kind.REJECT, d)
         return True
 
     def _train(self, env: Envelope, task: TaskSpec, device: Device) -> tuple[UpdateSpec, float]:
@@ -518,9 +529,8 @@ class Client(ServiceBase):
         down_s: float,
         compute_s: float,
         d: Delivery,
-    ) -> bool:
-        """Encode the update and upload it — or, in first-finishers rounds, hold it and report ``ready``.
-        True: the upload waits for the next flush, which acks ``d``."""
+    ) -> None:
+        """Encode the update and upload it — or, in first-finishers rounds, hold it and report ``ready``."""
         dev = device.device_id
         tensors, dense = encode_tensors(update.tensors)
 
@@ -560,12 +570,12 @@ class Client(ServiceBase):
             self._discard_held(lambda k: k == key)  # a redelivered task's earlier answer: replaced
             self.held[key] = _Held(self._hold(data), dense, up_s, device)
             ready = Ready(device_id=dev, finish_s=down_s + compute_s + up_s, update_bytes=size)
-            self._notify(env, msg, ready, Kind.READY)
-            return False
-        return self._upload(data, dense, device, up_s, d)
+            self._notify(env, msg, ready, Kind.READY, d)
+        else:
+            self._upload(data, dense, device, up_s, d)
 
-    def _upload(self, data: bytes, dense: int, device: Device, up_s: float, d: Delivery) -> bool:
-        """Publish an update. True: it waits for the next flush, which acks ``d`` (virtual time).
+    def _upload(self, data: bytes, dense: int, device: Device, up_s: float, d: Delivery) -> None:
+        """Publish an update, the answer to ``d`` (a task, or the go of a held update).
 
         Why two ways: in real time the upload is paced as the device's link would take it, and
         published when that time is over, one by one. In virtual time nothing waits, so the
@@ -574,7 +584,7 @@ class Client(ServiceBase):
         if self.emulation.time_mode != "real":
             self.publish_soon(KEY_UPDATE, Kind.UPDATE, data, dense_bytes=dense, answers=d)
             self._observe(metrics.CLIENT_TRANSFER_SECONDS, device.tier, up_s, None, direction="up")
-            return True
+            return
         t0 = time.perf_counter()
         emulate_transfer(
             device_bytes(data), device.profile, "up", mode="real", time_factor=self.emulation.time_factor
@@ -583,7 +593,6 @@ class Client(ServiceBase):
         self._observe(
             metrics.CLIENT_TRANSFER_SECONDS, device.tier, up_s, time.perf_counter() - t0, direction="up"
         )
-        return False
 
     def _context(self, dev: int, round: int) -> DeviceContext:
         return DeviceContext(
@@ -612,8 +621,8 @@ class Client(ServiceBase):
         # a diverged personal model (NaN loss) is still a result: its finite metrics are reported
         metrics = self._finite_metrics(dev, result) if result is not None else {}
         body = EvalResult(device_id=dev, supported=result is not None, metrics=metrics)
-        self._notify(env, msg, body, Kind.EVAL_RESULT)
-        d.ack()
+        self._notify(env, msg, body, Kind.EVAL_RESULT, d)
+        self.ack_unless_queued(d)
 
     def _hold(self, data: bytes) -> Path:
         """Write a held update's encoded message to its own file; returns the file.
@@ -632,12 +641,10 @@ class Client(ServiceBase):
 
     def on_go(self, env: Envelope, msg: Go, d: Delivery) -> None:
         held = self.held.pop((env.inc, env.round, msg.device_id), None)
-        queued = False  # the go is acked by the flush that publishes the upload
         if held is not None:
             if msg.upload:
-                queued = self._upload(held.path.read_bytes(), held.dense_bytes, held.device, held.upload_s, d)
+                self._upload(held.path.read_bytes(), held.dense_bytes, held.device, held.upload_s, d)
             held.path.unlink(missing_ok=True)
-        if not queued:
-            d.ack()
+        self.ack_unless_queued(d)
         # forget anything older than this round (a round can be abandoned by a server restart)
         self._discard_held(lambda key: key[1] < env.round)
