@@ -240,7 +240,6 @@ REPRODUCTIONS: dict[str, Reproduction] = {
                 "services/reproduce.py",
                 ("grid", "fedmef-batch1"),
                 configs=("experiments/fedmef_digits.yaml", "experiments/fedtiny_digits.yaml"),
-                pending="registered 2026-11-26; its runs did not fit the session (check 6 still not run)",
             ),
             # issue #17: the §8 checks on Fashion-MNIST with LeNet-5 (FedMef: NSConv; FedTiny/PQSU: BN)
             Block(
