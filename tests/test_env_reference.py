@@ -86,3 +86,33 @@ def test_no_code_reads_a_variable_the_page_does_not_list() -> None:
     assert "HOSTNAME" in read and "HOSTNAME" in OTHER_ENV  # the scan finds what it should
     unlisted = {var: where for var, where in read.items() if var not in listed | NOT_SETTINGS}
     assert not unlisted, f"read from the environment but not in docs/configuration.md: {unlisted}"
+
+
+def test_importing_shared_pins_the_cpu_code_path_unless_the_caller_chose() -> None:
+    """``import shared`` sets the kernel-path pins (same model on every AVX2 host) and keeps a value
+    the environment already gives; torch then reports the pinned capability."""
+    import os
+    import subprocess
+    import sys
+
+    from shared import NUMERICS_ENV
+
+    probe = (
+        "import os, shared, torch; torch.ones(8).sum(); "
+        "print(*(os.environ[k] for k in shared.NUMERICS_ENV), torch.backends.cpu.get_cpu_capability())"
+    )
+    clean = {k: v for k, v in os.environ.items() if k not in NUMERICS_ENV}
+    out = subprocess.run(
+        [sys.executable, "-c", probe], env=clean, cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split() == [*NUMERICS_ENV.values(), "AVX2"]
+    chosen = {**clean, "ATEN_CPU_CAPABILITY": "default"}
+    out = subprocess.run(
+        [sys.executable, "-c", probe], env=chosen, cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split() == [
+        NUMERICS_ENV["MKL_CBWR"],
+        "default",
+        NUMERICS_ENV["ONEDNN_MAX_CPU_ISA"],
+        "DEFAULT",
+    ]

@@ -427,10 +427,10 @@ def _is_round_row(line: str) -> bool:
 
 def normalise(line: str) -> str:
     """A printed line with what differs between identical runs masked: the clock, each round's
-    wall time and the wall seconds. Accuracies and bytes are not masked: they were the same in every run on a
-    quiet machine, and inproc gives the same. One exception is known: on 2026-11-26, while the
-    machine ran ~3x slower, broker runs ended at 0.9158 instead of 0.9125 (rounds 1-3 equal); the
-    cause was not found, so a failure here on a loaded machine may be that, not a stale sample."""
+    wall time and the wall seconds. Accuracies and bytes are not masked: a run gives the same ones
+    over the broker and in one process, loaded or not. They once differed between hosts (0.9125
+    on one, 0.9158 on another): the CPU code path of torch's kernels, now pinned by ``import shared``
+    (``shared.NUMERICS_ENV``)."""
     line = _CLOCK.sub("H:MM:SS", line.rstrip())
     cells = line.split("│")
     if _is_round_row(line):

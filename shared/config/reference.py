@@ -21,6 +21,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+from shared import NUMERICS_ENV
 from shared.config import (
     AlgorithmConfig,
     BoundsConfig,
@@ -155,6 +156,12 @@ def model_table(cls: type[BaseModel], prefix: str = "") -> list[str]:
 #: variables read from the environment outside ``Settings``, with what they mean (a test checks the
 #: code reads no other)
 OTHER_ENV: dict[str, str] = {
+    **{
+        name: f"the CPU code path of MKL, torch and oneDNN; unset: `{value}`, set by `import shared` so "
+        "that every x86 host with AVX2 computes the same model (other paths round differently: the "
+        "quickstart ended at 0.9125 on one host and 0.9158 on another). Set it to use another path"
+        for name, value in NUMERICS_ENV.items()
+    },
     "HOSTNAME": "a client host's and an aggregator's default identity when `--id` is not given (a "
     "pod's name on Kubernetes; an aggregator's queue is named after it, so two must never share one); "
     "unset: the machine's host name",
