@@ -111,6 +111,14 @@ REPRODUCTIONS: dict[str, Reproduction] = {
                 ("--setting", "fashion", "--checks", "C4L4"),
                 configs=("experiments/feddse_fashion.yaml",),
             ),
+            # C5, the rho sweep, on Fashion-MNIST (18 runs)
+            Block(
+                "feddse-results-fashion-c5",
+                "benchmarks/feddse_experiment.py",
+                ("--setting", "fashion", "--checks", "C5"),
+                configs=("experiments/feddse_fashion.yaml",),
+                pending="registered 2026-11-27; its runs are made by the command below",
+            ),
             # a diagnostic, not the verdicts: C3 / C4 with the authors' code's training flags
             Block(
                 "feddse-results-fashion-authors",
