@@ -117,7 +117,6 @@ REPRODUCTIONS: dict[str, Reproduction] = {
                 "benchmarks/feddse_experiment.py",
                 ("--setting", "fashion", "--checks", "C5"),
                 configs=("experiments/feddse_fashion.yaml",),
-                pending="registered 2026-11-27; its runs are made by the command below",
             ),
             # a diagnostic, not the verdicts: C3 / C4 with the authors' code's training flags
             Block(
