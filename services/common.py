@@ -22,7 +22,7 @@ from shared.schemas import DecodeError, Envelope, Heartbeat, Kind, RoundOpen, de
 from shared.schemas import _Body as Body
 from shared.schemas.peers import PeerVersions
 from shared.topology import routable
-from shared.transport import Delivery, Transport
+from shared.transport import Delivery, Transport, Unroutable
 
 #: message kinds → the ``direction`` label of traffic metrics
 DIRECTION = {
@@ -291,7 +291,11 @@ class ServiceBase:
         and where a message for a host of the previous schema version is rewritten in it."""
         _check_route(kind, key)
         data = self.peers.outgoing(key, data, exp=self.experiment, layouts=self.layouts)
-        self.transport.publish(key, data)
+        try:
+            self.transport.publish(key, data)
+        except Unroutable:
+            metrics.UNROUTABLE.labels(self.experiment, self.service, kind.value).inc()
+            raise
         self.bytes_published += len(data)
         labels = (self.experiment, self.algorithm, self.service, DIRECTION.get(kind, "control"), kind.value)
         metrics.WIRE_BYTES.labels(*labels).inc(len(data))
@@ -314,7 +318,9 @@ class ServiceBase:
         unroutable = self.transport.publish_many([(key, data) for key, data, _ in items])
         labels = (self.experiment, self.algorithm, self.service, DIRECTION.get(kind, "control"), kind.value)
         for key, data, dense in items:
-            if key not in unroutable:
+            if key in unroutable:
+                metrics.UNROUTABLE.labels(self.experiment, self.service, kind.value).inc()
+            else:
                 self.bytes_published += len(data)
                 metrics.WIRE_BYTES.labels(*labels).inc(len(data))
                 metrics.MESSAGES.labels(*labels).inc()

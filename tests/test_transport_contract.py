@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import pytest
+from prometheus_client import REGISTRY
 
 from services.common import ServiceBase
 from shared.transport import Delivery, Transport, Unroutable
@@ -284,7 +285,10 @@ def test_publish_soon_acks_what_it_answers_only_once_published(make: Factory) ->
         body = Receipt(device_id=device, aggregator_id="a", update_bytes=1, dense_bytes=1, num_samples=1)
         return encode(Kind.RECEIPT, body, exp=t.names.experiment, round=1, sender="server")
 
-    # nobody bound for the key: the task is dead-lettered with the reason, not acked
+    # nobody bound for the key: the task is dead-lettered with the reason, not acked, and the
+    # returned message is counted (the one trace of a message without an answered delivery)
+    labels = {"experiment": t.names.experiment, "service": "server", "kind": "receipt"}
+    before = REGISTRY.get_sample_value("fedfleet_unroutable_messages_total", labels) or 0.0
     sink.publish_soon(KEY_SERVER, Kind.RECEIPT, answer(0), answers=tasks[0])
     assert not tasks[0].settled
     sink.flush()
@@ -292,6 +296,7 @@ def test_publish_soon_acks_what_it_answers_only_once_published(make: Factory) ->
     got = _dead_letters(reader, 1)
     assert [d.headers["x-fedfleet-reason"] for d in got] == ["unroutable"]
     assert got[0].body == b"task 0"
+    assert REGISTRY.get_sample_value("fedfleet_unroutable_messages_total", labels) == before + 1
 
     q = _queue(t)
     t.declare_queue(q, [KEY_SERVER])

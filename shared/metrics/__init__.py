@@ -73,6 +73,13 @@ DEAD_LETTERS = Counter(
     "Messages sent to the dead-letter queue, by reason (malformed, schema, tensor, unknown-round, ...).",
     ("experiment", "service", "reason"),
 )
+UNROUTABLE = Counter(
+    "fedfleet_unroutable_messages_total",
+    "Messages the broker returned because no queue was bound for their routing key (a host or server "
+    "that is gone). Not published, so not in fedfleet_messages_total; a task answered by one is "
+    "dead-lettered 'unroutable' as well.",
+    ("experiment", "service", "kind"),
+)
 UPDATES = Counter(
     "fedfleet_updates_total",
     "Client updates handled by aggregators and the server, by result (accepted, duplicate, ...).",
