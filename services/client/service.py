@@ -534,8 +534,8 @@ class Client(ServiceBase):
         dev = device.device_id
         tensors, dense = encode_tensors(update.tensors)
 
-        def body(up_s: float) -> bytes:
-            upd = Update(
+        def update_msg(up_s: float) -> Update:
+            return Update(
                 device_id=dev,
                 num_samples=update.num_samples,
                 tensors=tensors,
@@ -543,8 +543,8 @@ class Client(ServiceBase):
                 task_bytes=task_bytes,
                 timings=Timings(download_s=down_s, compute_s=compute_s, upload_s=up_s),
             )
-            if not packed:
-                packed.append(pack_body(Kind.UPDATE, upd, known=known))
+
+        def body(upd: Update) -> bytes:
             return encode(
                 Kind.UPDATE,
                 upd,
@@ -554,17 +554,19 @@ class Client(ServiceBase):
                 inc=env.inc,
                 key=msg.key.hex(),
                 known=known,
-                packed=packed[0],
+                packed=packed,
             )
 
         layout = self.payload_layouts.get(msg.payload)
         known = {layout: self.layouts[layout]} if layout is not None and layout in self.layouts else None
-        packed: list[bytes] = []  # the tensors, packed once for both encodings below
         # what the device uploads: the message without its telemetry (metrics and timings are the
-        # emulator's, not the device's), known once encoded; filling the timings in changes only them
-        size = device_bytes(body(0.0))
+        # emulator's, not the device's), known once encoded; filling the timings in changes only
+        # them, so the tensors are packed once for both encodings
+        first = update_msg(0.0)
+        packed = pack_body(Kind.UPDATE, first, known=known)
+        size = device_bytes(body(first))
         up_s = transfer_seconds(size, device.profile.uplink_bps, device.profile.latency_s)
-        data = body(up_s)
+        data = body(update_msg(up_s))
         if self.ready_protocol:
             key = (env.inc, env.round, dev)
             self._discard_held(lambda k: k == key)  # a redelivered task's earlier answer: replaced
