@@ -266,7 +266,8 @@ def _table(results: dict[str, Any], seeds: list[int], lr: float, setting: str = 
         return (
             "\n".join(
                 [
-                    f"Seeds {seeds}; η_0 = {lr} (the configs'); `{model}`; E = 1, {rounds} rounds, ΔR ∈ {{2, 8}} "
+                    f"Seeds {seeds}; η_0 = {lr} (the configs'); `{model}`; E = 1, {rounds} rounds, "
+                    "ΔR ∈ {2, 8} "
                     "(R_stop and everything else as the main block); accuracy = central test accuracy of the "
                     f"global model after round {rounds} (mean ± std over seeds).",
                     *_dr_section(per, agg),

@@ -124,7 +124,6 @@ REPRODUCTIONS: dict[str, Reproduction] = {
                 "benchmarks/feddse_experiment.py",
                 ("--setting", "fashion", "--checks", "C3cov"),
                 configs=("experiments/feddse_fashion.yaml",),
-                pending="registered before its first run",
             ),
             # a diagnostic, not the verdicts: C3 / C4 with the authors' code's training flags
             Block(
@@ -212,6 +211,22 @@ REPRODUCTIONS: dict[str, Reproduction] = {
                 ),
                 configs=("experiments/spafl_fashion.yaml",),
             ),
+            # check 2's second half (larger α, sparser) and check 3 at that α on Fashion-MNIST
+            Block(
+                "spafl-results-fashion-alpha",
+                "benchmarks/spafl_experiment.py",
+                (
+                    "--config",
+                    "experiments/spafl_fashion.yaml",
+                    "--alphas",
+                    "0.003",
+                    "--variants",
+                    "SpaFL",
+                    "Local",
+                ),
+                configs=("experiments/spafl_fashion.yaml",),
+                pending="registered before its first run",
+            ),
             # check 5 (the paper's Table 1): weights frozen at w(0), only τ learns; digits MLP
             Block(
                 "spafl-results-thresholds",
@@ -271,7 +286,6 @@ REPRODUCTIONS: dict[str, Reproduction] = {
                 ("--setting", "fashion", "--groups", "delta_r", "--workers", "2"),
                 rounds_flag=False,
                 configs=("experiments/fedmef_fashion_lenet.yaml", "experiments/fedtiny_fashion_lenet.yaml"),
-                pending="registered before its first run",
             ),
         ),
         baselines=("fedtiny", "feddst"),
