@@ -225,7 +225,6 @@ REPRODUCTIONS: dict[str, Reproduction] = {
                     "Local",
                 ),
                 configs=("experiments/spafl_fashion.yaml",),
-                pending="registered before its first run",
             ),
             # check 5 (the paper's Table 1): weights frozen at w(0), only τ learns; digits MLP
             Block(
