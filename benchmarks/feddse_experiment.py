@@ -140,6 +140,7 @@ FASHION_CHECKS: dict[str, tuple[str, ...]] = {
     "C8": ("high/fedavg",),
     "C9": ("high/feddse", "high/feddse-ninf32"),
     "C5": tuple(f"rho/{r:.1f}" for r in RHOS),
+    "C3cov": ("homo/feddse-T0", "homo/fedrolex"),
 }
 
 
@@ -547,6 +548,17 @@ def fashion_table(
                 "C5 rho sweep (" + ", ".join(f"{r:.1f}" for r in RHOS) + "): rho=0 far below all others",
                 " → ".join(f"{100 * a:.1f}" for a in rho),
                 ok(rho[0] < min(rho[1:]) - 0.05 and rho[-1] > rho[1]),
+            )
+        )
+    if "C3cov" in checks:
+        per_seed = col("homo/feddse-T0", "coverage20")
+        cov_t0, cov_rolex = _mean(per_seed), _mean(col("homo/fedrolex", "coverage20"))
+        rows.append(
+            (
+                "C3: neuron coverage (last 20 rounds) T=0 well below 1, FedRolex = 1",
+                f"T=0 {cov_t0:.3f} (per seed {', '.join(f'{c:.3f}' for c in per_seed)}), "
+                f"FedRolex {cov_rolex:.3f}",
+                ok(cov_t0 < 0.9 and cov_rolex == 1.0),
             )
         )
     if "C8" in checks:

@@ -28,7 +28,8 @@ Writes ``results.json`` and ``table.md`` under ``--out`` and, with ``--docs``, t
 ``experiments/{fedmef,fedtiny}_fashion_lenet.yaml`` instead (``lenet5_fmnist``: FedMef with NSConv and
 no BN, FedTiny and FL-PQSU with BN) and runs only FedMef, FedTiny, FL-PQSU and the two ablations of
 check 5, at the configs' η_0 (the digits tuning; no per-dataset tuning, as the issue asks), to fit the
-shared machine; its block is ``fedmef-results-fashion``.
+shared machine; its block is ``fedmef-results-fashion`` (``--groups main ablation``). Check 4 on
+Fashion-MNIST is ``--setting fashion --groups delta_r``, the block ``fedmef-results-fashion-dr``.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import json
 import math
 import statistics
 import sys
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -66,6 +68,8 @@ FASHION_RUNS = (
     "main/pqsu",
     "ablation/fedmef-no-bae",
     "ablation/fedmef-no-nsconv",
+    # check 4, a block of its own (``--groups delta_r``) so the main block's runs are not redone
+    *(f"delta_r/{algo}-dr{dr}" for algo in ("fedmef", "fedtiny") for dr in (2, 8)),
 )
 #: (model, input shape) of each setting, for the paper's App. C.2 memory model (check 1)
 PAPER_MODEL = {"digits": ("tinycnn", (1, 8, 8)), "fashion": ("lenet5_fmnist", (1, 28, 28))}
@@ -218,6 +222,37 @@ def _fmt(x: tuple[float, float] | None, scale: float = 1.0, digits: int = 2) -> 
     return f"{x[0] * scale:.{digits}f} ± {x[1] * scale:.{digits}f}"
 
 
+def _dr_section(per: dict[str, Any], agg: Callable[[str, str], tuple[float, float] | None]) -> list[str]:
+    """Check 4's rows: FedTiny and FedMef at ΔR ∈ {2, 8} (E = 1), the gap, and each method's spread
+    across ΔR (the claim: the gap is larger at ΔR = 2 and FedMef varies less with ΔR)."""
+    if not any(k.startswith("delta_r/") for k in per):
+        return []
+    lines = [
+        "",
+        "ΔR sensitivity (E = 1, final accuracy %, mean ± std):",
+        "",
+        "| ΔR | FedTiny | FedMef | gap |",
+        "|---|---|---|---|",
+    ]
+    means: dict[str, list[float]] = {"fedtiny": [], "fedmef": []}
+    for dr in (2, 8):
+        a = agg(f"delta_r/fedtiny-dr{dr}", "final_accuracy")
+        b = agg(f"delta_r/fedmef-dr{dr}", "final_accuracy")
+        gap = f"{(b[0] - a[0]) * 100:+.1f}" if a and b else "–"
+        lines.append(f"| {dr} | {_fmt(a, 100, 1)} | {_fmt(b, 100, 1)} | {gap} |")
+        for name, v in (("fedtiny", a), ("fedmef", b)):
+            if v:
+                means[name].append(v[0])
+    if all(len(v) == 2 for v in means.values()):
+        spread = {k: abs(v[0] - v[1]) * 100 for k, v in means.items()}
+        lines += [
+            "",
+            f"Spread across ΔR (|mean at 2 − mean at 8|, points): FedTiny {spread['fedtiny']:.1f}, "
+            f"FedMef {spread['fedmef']:.1f}.",
+        ]
+    return lines
+
+
 def _table(results: dict[str, Any], seeds: list[int], lr: float, setting: str = "digits") -> str:
     per = results["runs"]
     rounds = results.get("rounds", 40)
@@ -226,6 +261,20 @@ def _table(results: dict[str, Any], seeds: list[int], lr: float, setting: str = 
     def agg(label: str, key: str) -> tuple[float, float] | None:
         return _agg([per[label][str(s)].get(key) for s in seeds if str(s) in per.get(label, {})])
 
+    if not any(RUNS[k][0] in ("main", "ablation") for k in per):
+        # a ΔR-only block (check 4 on Fashion-MNIST): its caption and the ΔR table, nothing else
+        return (
+            "\n".join(
+                [
+                    f"Seeds {seeds}; η_0 = {lr} (the configs'); `{model}`; E = 1, {rounds} rounds, "
+                    "ΔR ∈ {2, 8} "
+                    "(R_stop and everything else as the main block); accuracy = central test accuracy of the "
+                    f"global model after round {rounds} (mean ± std over seeds).",
+                    *_dr_section(per, agg),
+                ]
+            )
+            + "\n"
+        )
     lines = [
         f"Seeds {seeds}; η_0 = {lr} "
         + (
@@ -294,22 +343,7 @@ def _table(results: dict[str, Any], seeds: list[int], lr: float, setting: str = 
             f"Check 9 ({label.split('/')[1]}): extra uplink per device in an adjustment round "
             f"{_fmt(got, 1, 1)} B on the wire vs Σξ(b + ⌈log₂ numel⌉)/8 = {_fmt(want, 1, 1)} B."
         )
-    dr_rows = any(k.startswith("delta_r/") for k in per)
-    if dr_rows:
-        lines += [
-            "",
-            "ΔR sensitivity (E = 1, final accuracy %, mean ± std):",
-            "",
-            "| ΔR | FedTiny | FedMef | gap |",
-            "|---|---|---|---|",
-        ]
-    for dr in (2, 8) if dr_rows else ():
-        a, b = (
-            agg(f"delta_r/fedtiny-dr{dr}", "final_accuracy"),
-            agg(f"delta_r/fedmef-dr{dr}", "final_accuracy"),
-        )
-        gap = f"{(b[0] - a[0]) * 100:+.1f}" if a and b else "–"
-        lines.append(f"| {dr} | {_fmt(a, 100, 1)} | {_fmt(b, 100, 1)} | {gap} |")
+    lines += _dr_section(per, agg)
     tune = results.get("tune", {})
     if tune:
         lines += [
@@ -384,6 +418,7 @@ def main() -> None:
     print(table)
     if args.docs:
         marker = "fedmef-results-fashion" if fashion else "fedmef-results"
+        marker += "-dr" if fashion and args.groups == ["delta_r"] else ""
         replace_doc_block(ROOT / "docs" / "algorithms" / "fedmef.md", marker, table)
 
 

@@ -118,6 +118,13 @@ REPRODUCTIONS: dict[str, Reproduction] = {
                 ("--setting", "fashion", "--checks", "C5"),
                 configs=("experiments/feddse_fashion.yaml",),
             ),
+            # C3's third part, neuron coverage of T = 0 against FedRolex, on Fashion-MNIST (6 runs)
+            Block(
+                "feddse-results-fashion-c3cov",
+                "benchmarks/feddse_experiment.py",
+                ("--setting", "fashion", "--checks", "C3cov"),
+                configs=("experiments/feddse_fashion.yaml",),
+            ),
             # a diagnostic, not the verdicts: C3 / C4 with the authors' code's training flags
             Block(
                 "feddse-results-fashion-authors",
@@ -204,6 +211,21 @@ REPRODUCTIONS: dict[str, Reproduction] = {
                 ),
                 configs=("experiments/spafl_fashion.yaml",),
             ),
+            # check 2's second half (larger α, sparser) and check 3 at that α on Fashion-MNIST
+            Block(
+                "spafl-results-fashion-alpha",
+                "benchmarks/spafl_experiment.py",
+                (
+                    "--config",
+                    "experiments/spafl_fashion.yaml",
+                    "--alphas",
+                    "0.003",
+                    "--variants",
+                    "SpaFL",
+                    "Local",
+                ),
+                configs=("experiments/spafl_fashion.yaml",),
+            ),
             # check 5 (the paper's Table 1): weights frozen at w(0), only τ learns; digits MLP
             Block(
                 "spafl-results-thresholds",
@@ -252,7 +274,15 @@ REPRODUCTIONS: dict[str, Reproduction] = {
             Block(
                 "fedmef-results-fashion",
                 "benchmarks/fedmef_experiment.py",
-                ("--setting", "fashion", "--workers", "2"),
+                ("--setting", "fashion", "--groups", "main", "ablation", "--workers", "2"),
+                rounds_flag=False,
+                configs=("experiments/fedmef_fashion_lenet.yaml", "experiments/fedtiny_fashion_lenet.yaml"),
+            ),
+            # check 4 (ΔR sensitivity) on Fashion-MNIST: FedMef and FedTiny at ΔR 2 and 8, E = 1 (12 runs)
+            Block(
+                "fedmef-results-fashion-dr",
+                "benchmarks/fedmef_experiment.py",
+                ("--setting", "fashion", "--groups", "delta_r", "--workers", "2"),
                 rounds_flag=False,
                 configs=("experiments/fedmef_fashion_lenet.yaml", "experiments/fedtiny_fashion_lenet.yaml"),
             ),
