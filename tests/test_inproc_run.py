@@ -201,6 +201,42 @@ def test_aggregator_started_after_the_round_opened_joins_it(tmp_path: Path, monk
     assert [r["participants"] for r in faulty.rows] == [r["participants"] for r in clean.rows]
 
 
+def test_the_first_round_waits_for_min_hosts_then_for_the_registration_deadline(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``hosts.min_hosts``: one host serving the whole fleet does not start the run while a second is
+    wanted (a slow host would find every device leased and a short run over); once it joins, the
+    first round shares the fleet between both. With more hosts wanted than ever join, the run starts
+    at the registration deadline and says so."""
+    from services.server.round import Phase
+
+    cfg = write_config(tmp_path / "c.yaml", rounds=2, hosts={"join_quiet_s": 0.0, "min_hosts": 2})
+    (tmp_path / "a").mkdir()
+    cluster = InprocCluster(Experiment.build(load_config(cfg)), tmp_path / "a", "min-hosts", clients=1)
+    server = cluster.server
+    cluster.run(until=lambda: len(server.leases.table.available_ids()) == 8, max_steps=100_000)
+    for _ in range(200):  # the one host serves every device: without min_hosts the run would start
+        cluster.step()
+    assert server.phase == Phase.REGISTERING
+    cluster.add_client("client-late")
+    cluster.run(until=lambda: server.phase != Phase.REGISTERING, max_steps=100_000)
+    held = sorted(len(h.devices) for h in server.leases.table.hosts.values())
+    assert held == [4, 4], held
+    assert cluster.run(max_steps=200_000) == 0
+    assert [r["participants"] for r in server.rows] == [4, 4]
+
+    cfg = write_config(
+        tmp_path / "d.yaml", rounds=1, registration_timeout_s=0.5, hosts={"join_quiet_s": 0.0, "min_hosts": 3}
+    )
+    (tmp_path / "b").mkdir()
+    late = InprocCluster(Experiment.build(load_config(cfg)), tmp_path / "b", "min-hosts-deadline", clients=2)
+    with caplog.at_level("WARNING", logger="fedfleet.server"):
+        assert late.run(max_steps=1_000_000) == 0
+    warned = [r.getMessage() for r in caplog.records if getattr(r, "event", "") == "registration_timeout"]
+    assert warned == ["starting with 8 of 8 devices served by 2 host(s) (3 wanted)"], warned
+    assert len(late.server.rows) == 1
+
+
 def test_doc_block_is_replaced_between_markers_and_missing_markers_fail(tmp_path: Path) -> None:
     from shared.results import replace_doc_block
 

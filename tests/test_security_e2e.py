@@ -227,7 +227,16 @@ def test_every_attack_a_client_host_can_make_is_refused(tmp_path: Path) -> None:
     experiment = f"sec{uuid.uuid4().hex[:8]}"
     dep = Deployment(experiment)
     try:
-        config = write_config(tmp_path / "c.yaml", rounds=4, devices_per_round=8, round_timeout_s=120)
+        # both honest hosts must serve before round 1: one slow to start would find every device
+        # leased to the other and the short run over before the attacker could join
+        config = write_config(
+            tmp_path / "c.yaml",
+            rounds=4,
+            devices_per_round=8,
+            round_timeout_s=120,
+            registration_timeout_s=300,
+            hosts={"join_quiet_s": 0.2, "min_hosts": 2},
+        )
         cluster = ProcessCluster(
             dep.url(identity.server_user()),
             experiment,

@@ -436,20 +436,23 @@ class Server(ServiceBase):
                     rs.discarded.setdefault(dev, "host-lost")
 
     def _tick_registering(self, now: float) -> None:
-        """Lease the fleet to the hosts that join; start once every device is served (and no host
-        joined for a moment, so the first round does not go to whoever came first), or at the
-        registration deadline with at least a round's worth of devices."""
+        """Lease the fleet to the hosts that join; start once every device is served, at least
+        ``hosts.min_hosts`` hosts joined and none joined for a moment (so the first round does not
+        go to whoever came first), or at the registration deadline with a round's worth of devices."""
         settled = self.leases.settle()
         served, wanted = len(self.leases.table.available_ids()), self.cfg.num_devices
         quiet = now - self.leases.table.last_join >= self.cfg.hosts.join_quiet_s
-        if settled and served >= wanted and quiet:
+        hosts = sum(not h.draining for h in self.leases.table.hosts.values())
+        if settled and served >= wanted and quiet and hosts >= self.cfg.hosts.min_hosts:
             self._next()
         elif now > self.registration_deadline:
             if served >= self.cfg.devices_per_round and settled:
                 self.log.warning(
-                    "starting with %d of %d devices served by a host",
+                    "starting with %d of %d devices served by %d host(s) (%d wanted)",
                     served,
                     wanted,
+                    hosts,
+                    self.cfg.hosts.min_hosts,
                     extra={"event": "registration_timeout"},
                 )
                 self._next()

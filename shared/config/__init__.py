@@ -199,6 +199,12 @@ class HostsConfig(_Strict):
     #: the first round waits until no host joined for this long (so it does not go to whichever
     #: host started first; later joins are balanced in between rounds anyway)
     join_quiet_s: float = Field(1.0, ge=0)
+    #: the first round also waits until at least this many hosts joined (until
+    #: ``registration_timeout_s``; then it starts with the hosts there are if they serve a round's
+    #: devices). Set it to the number of client processes you start when every one of them must take
+    #: part from the first round: a host slow to start would otherwise find the fleet already leased
+    #: and, in a short run, the experiment over
+    min_hosts: int = Field(1, ge=1)
 
     @model_validator(mode="after")
     def _check_timeout(self) -> HostsConfig:
