@@ -329,6 +329,31 @@ def test_telemetry_is_not_a_devices_bytes() -> None:
     assert len(bare) == device_bytes(data)
 
 
+@given(
+    n=st.sampled_from([0, 1, 40, 70, 16_000, 17_000]),
+    inc=st.sampled_from(["", "deadbeef", "80000001"]),
+    rnd=st.integers(0, 70_000),
+    version=st.sampled_from(sorted(ACCEPTED_VERSIONS)),
+)
+def test_a_devices_size_is_known_before_its_telemetry(n: int, inc: str, rnd: int, version: int) -> None:
+    """``device_size`` of a packed body is ``device_bytes`` of the message it becomes, whatever its
+    telemetry (the client computes it before the upload's duration, without a MAC): body sizes
+    across every msgpack bin width, every incarnation form and schema version."""
+    from shared.schemas import Timings, device_size, pack_body
+
+    tensors = {"w": codec.encode(codec.Dense(np.arange(n, dtype=np.float32)))} if n else {}
+    key = task_key("ab" * 16, rnd, 3)
+    plain = Update(device_id=3, num_samples=10, tensors=tensors, task_bytes=12_345)
+    packed = pack_body(Kind.UPDATE, plain, version=version)
+    size = device_size(Kind.UPDATE, packed, exp="e", round=rnd, sender="", inc=inc, version=version)
+    for upload_s in (0.0, 1e-3, 123.456):
+        upd = plain.model_copy(update={"timings": Timings(upload_s=upload_s), "metrics": {"loss": upload_s}})
+        data = encode(
+            Kind.UPDATE, upd, exp="e", round=rnd, sender="", inc=inc, key=key, version=version, packed=packed
+        )
+        assert device_bytes(data) == size
+
+
 def _tensors() -> dict[str, dict[str, object]]:
     w = np.arange(24, dtype=np.float32).reshape(4, 6)
     mask = (np.arange(24) % 3 == 0).reshape(4, 6)

@@ -70,6 +70,7 @@ from shared.schemas import (
     Timings,
     Update,
     device_bytes,
+    device_size,
     encode,
     pack_body,
 )
@@ -544,33 +545,30 @@ class Client(ServiceBase):
                 timings=Timings(download_s=down_s, compute_s=compute_s, upload_s=up_s),
             )
 
-        def body(upd: Update) -> bytes:
-            return encode(
-                Kind.UPDATE,
-                upd,
-                exp=self.experiment,
-                round=env.round,
-                sender="",
-                inc=env.inc,
-                key=msg.key.hex(),
-                known=known,
-                packed=packed,
-            )
-
         layout = self.payload_layouts.get(msg.payload)
         known = {layout: self.layouts[layout]} if layout is not None and layout in self.layouts else None
-        # what the device uploads: the message without its telemetry (metrics and timings are the
-        # emulator's, not the device's), known once encoded; filling the timings in changes only
-        # them, so the tensors are packed once for both encodings
-        first = update_msg(0.0)
-        packed = pack_body(Kind.UPDATE, first, known=known)
-        size = device_bytes(body(first))
+        # what the device uploads is the message without its telemetry (metrics and timings are the
+        # emulator's, not the device's): its size is known from the packed body, before the upload's
+        # duration is (telemetry, changing only that), so the message is encoded and MAC'd once
+        exp, rnd, inc = self.experiment, env.round, env.inc
+        packed = pack_body(Kind.UPDATE, update_msg(0.0), known=known)
+        key = msg.key.hex()
+
+        def body(upd: Update) -> bytes:
+            return encode(
+                Kind.UPDATE, upd, exp=exp, round=rnd, sender="", inc=inc, key=key, known=known, packed=packed
+            )
+
+        if key:
+            size = device_size(Kind.UPDATE, packed, exp=exp, round=rnd, sender="", inc=inc)
+        else:  # a task without a key (no sender checks): no MAC to save, the size of an encoding
+            size = device_bytes(body(update_msg(0.0)))
         up_s = transfer_seconds(size, device.profile.uplink_bps, device.profile.latency_s)
         data = body(update_msg(up_s))
         if self.ready_protocol:
-            key = (env.inc, env.round, dev)
-            self._discard_held(lambda k: k == key)  # a redelivered task's earlier answer: replaced
-            self.held[key] = _Held(self._hold(data), dense, up_s, device)
+            slot = (env.inc, env.round, dev)
+            self._discard_held(lambda k: k == slot)  # a redelivered task's earlier answer: replaced
+            self.held[slot] = _Held(self._hold(data), dense, up_s, device)
             ready = Ready(device_id=dev, finish_s=down_s + compute_s + up_s, update_bytes=size)
             self._notify(env, msg, ready, Kind.READY, d)
         else:

@@ -501,9 +501,13 @@ def exp_tag(exp: str) -> int:
     return int.from_bytes(hashlib.sha256(exp.encode()).digest()[:4], "big")
 
 
+#: the bytes of a message's MAC (a truncated HMAC-SHA-256)
+MAC_BYTES = 16
+
+
 def _mac(key: str, v: int, kind: Kind, exp: str, round: int, inc: str, body: bytes, tel: bytes) -> bytes:
     head = f"{v}|{kind.value}|{exp}|{round}|{inc}|{len(body)}|".encode()  # versions 4 and 5 alike
-    return hmac.new(bytes.fromhex(key), head + body + tel, hashlib.sha256).digest()[:16]
+    return hmac.new(bytes.fromhex(key), head + body + tel, hashlib.sha256).digest()[:MAC_BYTES]
 
 
 def verify(env: Envelope, key: str) -> bool:
@@ -512,7 +516,7 @@ def verify(env: Envelope, key: str) -> bool:
     The MAC covers the full experiment id (not only its tag), the round, the incarnation, the body
     and the telemetry: a copy moved to another round or altered anywhere fails.
     """
-    if not key or len(env.mac) != 16:
+    if not key or len(env.mac) != MAC_BYTES:
         return False
     want = _mac(key, env.v, env.kind, env.exp, env.round, env.inc, env.body, env.telemetry)
     return hmac.compare_digest(want, env.mac)
@@ -683,15 +687,43 @@ def encode(
     tel_names = TELEMETRY.get(kind, ())
     tel_values = _positional(body, tel_names, known) if tel_names else []
     tel = codec.packb(tel_values) if tel_values else b""
-    inc_b = bytes.fromhex(inc)
-    # a 4-byte incarnation as an int: 5 bytes at most, not a bin's 6
-    inc_w = int.from_bytes(inc_b, "big") if version == SCHEMA_VERSION and len(inc_b) == INC_BYTES else inc_b
-    env: list[Any] = [version, KIND_CODES[kind], exp_tag(exp), inc_w, round, sender, packed]
+    env: list[Any] = [*_head(version, kind, exp, round, inc, sender), packed]
     env.append(_mac(key, version, kind, exp, round, inc, packed, tel) if key else b"")
     env.append(tel)
     while env[-1] == b"":
         env.pop()
     return codec.packb(env)
+
+
+def _head(version: int, kind: Kind, exp: str, round: int, inc: str, sender: str) -> list[Any]:
+    """The envelope's fields before the body (see :func:`encode`)."""
+    inc_b = bytes.fromhex(inc)
+    # a 4-byte incarnation as an int: 5 bytes at most, not a bin's 6
+    inc_w = int.from_bytes(inc_b, "big") if version == SCHEMA_VERSION and len(inc_b) == INC_BYTES else inc_b
+    return [version, KIND_CODES[kind], exp_tag(exp), inc_w, round, sender]
+
+
+def device_size(
+    kind: Kind,
+    packed: bytes,
+    *,
+    exp: str,
+    round: int,
+    sender: str,
+    inc: str = "",
+    version: int = SCHEMA_VERSION,
+) -> int:
+    """``device_bytes(encode(..., key=k, packed=packed))`` of a device's message (it carries a MAC:
+    ``k`` is not empty), computed without encoding it, whatever its telemetry.
+
+    Why: a client must know the size of an update before its upload's duration (telemetry, which
+    is not counted) can be filled in; encoding it twice computed the MAC of the whole body, and
+    copied it, once for nothing (~3 % of a client's CPU).
+    """
+    head = _head(version, kind, exp, round, inc, sender)
+    assert len(head) + 2 < 16  # with the body and the MAC, a fixarray: one byte of framing
+    size = 1 + sum(len(codec.packb(f)) for f in head) + len(packed) + _bin_framing(len(packed))
+    return size + MAC_BYTES + _bin_framing(MAC_BYTES)
 
 
 def pack_body(
