@@ -513,6 +513,7 @@ def test_prometheus_bytes_equal_summary_with_a_thousand_devices(
         dataset={"name": "digits", "partition": "iid", "train_limit": None},
         train={"local_epochs": 1, "batch_size": 16, "lr": 0.3},
         emulation={"over_selection": 1.25},  # first finishers: discarded updates are never sent
+        hosts={"min_hosts": 3},  # all three from round 1: a host slow to start finds the run going
     )
     cluster = process_cluster(broker_url, exp, config, work)
     cluster.env["FEDFLEET_LINGER_S"] = "60"

@@ -235,7 +235,7 @@ def test_every_attack_a_client_host_can_make_is_refused(tmp_path: Path) -> None:
             devices_per_round=8,
             round_timeout_s=120,
             registration_timeout_s=300,
-            hosts={"join_quiet_s": 0.2, "min_hosts": 2},
+            hosts={"min_hosts": 2},
         )
         cluster = ProcessCluster(
             dep.url(identity.server_user()),
