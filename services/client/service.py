@@ -126,7 +126,7 @@ class Client(ServiceBase):
         pinned: list[int] | None = None,
         max_devices: int | None = None,
         memory_bytes: int | None = None,
-        prefetch: int = 2,
+        prefetch: int | None = None,
         on_stop: str = "exit",
     ) -> None:
         cfg = exp.cfg
@@ -183,7 +183,11 @@ class Client(ServiceBase):
             Kind.EVALUATE: self.on_evaluate,
             Kind.STOP: self.on_stop,
         }
-        transport.consume(self.queue, lambda d: self.dispatch(d, handlers), prefetch=prefetch)
+        transport.consume(
+            self.queue,
+            lambda d: self.dispatch(d, handlers),
+            prefetch=cfg.processes.client_prefetch if prefetch is None else prefetch,
+        )
         self.heartbeat()
         self.log.info(
             "client host %s ready (capacity %s, memory %s, pinned %s)",
@@ -434,6 +438,9 @@ class Client(ServiceBase):
                 self._sync_state(dev)  # before the update: the server has it before the round ends
                 self._deliver(env, msg, update, device, task_bytes, down_s, compute_s, d)
         self.ack_unless_queued(d)  # an answer waiting for the flush acks it once published
+        # a turn may train many tasks (``processes.client_prefetch``): the heartbeat must not wait
+        # for its end, or a host busy with slow tasks would lose its lease
+        self.tick()
 
     def _admitted(
         self, env: Envelope, msg: Task, task: TaskSpec, device: Device, task_bytes: int, d: Delivery
