@@ -237,6 +237,46 @@ def test_the_first_round_waits_for_min_hosts_then_for_the_registration_deadline(
     assert len(late.server.rows) == 1
 
 
+def test_a_host_heartbeats_between_the_tasks_of_a_long_turn(tmp_path: Path, monkeypatch: Any) -> None:
+    """A host takes ``client_prefetch`` tasks at once and trains them in one turn of its loop; its
+    heartbeats must not wait for the turn's end, or slow tasks would cost it its lease."""
+    import time
+
+    cfg = write_config(
+        tmp_path / "c.yaml",
+        rounds=1,
+        devices_per_round=8,
+        hosts={"heartbeat_s": 0.05, "lease_timeout_s": 5.0},
+        processes={"client_prefetch": 8},
+    )
+    exp = Experiment.build(load_config(cfg))
+    train, started = exp.strategy.train, []
+
+    def slow(task: Any, ctx: Any) -> Any:
+        started.append(time.perf_counter())
+        time.sleep(0.06)
+        return train(task, ctx)
+
+    monkeypatch.setattr(exp.strategy, "train", slow)
+    (tmp_path / "a").mkdir()
+    cluster = InprocCluster(exp, tmp_path / "a", "long-turn", aggregators=1, clients=1)
+    host, beats = cluster.clients[0], []
+    heartbeat = host.heartbeat
+
+    def counted() -> None:
+        beats.append(time.perf_counter())
+        heartbeat()
+
+    monkeypatch.setattr(host, "heartbeat", counted)
+    turns = []
+    turn = host.turn
+    monkeypatch.setattr(host, "turn", lambda poll_s: (turns.append(len(started)), turn(poll_s))[1])
+    assert cluster.run(max_steps=100_000) == 0
+    assert len(started) == 8 and 0 in turns and 8 in turns and not set(turns) & set(range(1, 8))
+    during = [b for b in beats if started[0] < b < started[-1]]  # the 8 tasks trained in one turn
+    assert len(during) >= 3, (len(during), len(beats))
+
+
 def test_doc_block_is_replaced_between_markers_and_missing_markers_fail(tmp_path: Path) -> None:
     from shared.results import replace_doc_block
 
