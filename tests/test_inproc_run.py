@@ -260,7 +260,7 @@ def test_a_host_heartbeats_between_the_tasks_of_a_long_turn(tmp_path: Path, monk
     monkeypatch.setattr(exp.strategy, "train", slow)
     (tmp_path / "a").mkdir()
     cluster = InprocCluster(exp, tmp_path / "a", "long-turn", aggregators=1, clients=1)
-    host, beats = cluster.clients[0], []
+    host, beats = cluster.clients[0], list[float]()
     heartbeat = host.heartbeat
 
     def counted() -> None:
@@ -268,9 +268,14 @@ def test_a_host_heartbeats_between_the_tasks_of_a_long_turn(tmp_path: Path, monk
         heartbeat()
 
     monkeypatch.setattr(host, "heartbeat", counted)
-    turns = []
+    turns: list[int] = []  # tasks started before each turn of the host
     turn = host.turn
-    monkeypatch.setattr(host, "turn", lambda poll_s: (turns.append(len(started)), turn(poll_s))[1])
+
+    def counted_turn(poll_s: float) -> None:
+        turns.append(len(started))
+        turn(poll_s)
+
+    monkeypatch.setattr(host, "turn", counted_turn)
     assert cluster.run(max_steps=100_000) == 0
     assert len(started) == 8 and 0 in turns and 8 in turns and not set(turns) & set(range(1, 8))
     during = [b for b in beats if started[0] < b < started[-1]]  # the 8 tasks trained in one turn
