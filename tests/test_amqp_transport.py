@@ -11,7 +11,8 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,21 @@ def _keep(into: list[Delivery]) -> Callable[[Delivery], None]:
         d.ack()
 
     return handler
+
+
+@contextmanager
+def _crash_pair(broker_url: str, experiment_id: str, q: str) -> Iterator[tuple[AmqpTransport, AmqpTransport]]:
+    """Two connections to queue ``q`` (bound to ``work``): ``a`` consumes three messages and then
+    closes (as a process that goes away does), ``b`` sees what the broker does about it; ``q`` and
+    the experiment are deleted afterwards."""
+    a = AmqpTransport(broker_url, experiment_id)
+    b = AmqpTransport(broker_url, experiment_id)
+    try:
+        a.declare_queue(q, ["work"])
+        yield a, b
+    finally:
+        b.delete_experiment([q])
+        b.close()
 
 
 def _drain(t: AmqpTransport, got: list[Delivery], n: int, timeout: float = 5.0) -> None:
@@ -76,10 +92,7 @@ def test_unroutable_is_an_error_not_a_silent_drop(broker_url: str, experiment_id
 
 def test_unacked_messages_are_redelivered_to_another_consumer(broker_url: str, experiment_id: str) -> None:
     q = f"ff.{experiment_id}.work"
-    a = AmqpTransport(broker_url, experiment_id)
-    b = AmqpTransport(broker_url, experiment_id)
-    try:
-        a.declare_queue(q, ["work"])
+    with _crash_pair(broker_url, experiment_id, q) as (a, b):
         held: list[Delivery] = []
         a.consume(q, held.append, prefetch=10)  # never acks, like a process that dies mid-work
         for i in range(3):
@@ -93,19 +106,13 @@ def test_unacked_messages_are_redelivered_to_another_consumer(broker_url: str, e
         assert sorted(d.body for d in got) == [b"m0", b"m1", b"m2"]
         assert all(d.redelivered for d in got)
         assert b.queue_depth(q) == 0
-    finally:
-        b.delete_experiment([q])
-        b.close()
 
 
 def test_acks_left_unflushed_still_reach_the_broker_before_close(broker_url: str, experiment_id: str) -> None:
     """An ack is queued, not flushed (``_ack_unflushed``); closing right after the handlers acked
     must still deliver the acks first, or the broker would hand the messages out again."""
     q = f"ff.{experiment_id}.acked"
-    a = AmqpTransport(broker_url, experiment_id)
-    b = AmqpTransport(broker_url, experiment_id)
-    try:
-        a.declare_queue(q, ["work"])
+    with _crash_pair(broker_url, experiment_id, q) as (a, b):
         done: list[Delivery] = []
         a.consume(q, _keep(done), prefetch=10)
         for i in range(3):
@@ -117,9 +124,6 @@ def test_acks_left_unflushed_still_reach_the_broker_before_close(broker_url: str
         b.consume(q, _keep(again), prefetch=10)
         _drain(b, again, 1, timeout=1.5)
         assert again == [] and b.queue_depth(q) == 0
-    finally:
-        b.delete_experiment([q])
-        b.close()
 
 
 def test_prefetch_bounds_what_one_consumer_holds(broker_url: str, experiment_id: str) -> None:
