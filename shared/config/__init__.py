@@ -179,10 +179,9 @@ class ProcessConfig(_Strict):
     #: updates an aggregator may hold unacknowledged before it flushes a partial on its own
     prefetch: int = Field(32, ge=2)
     #: tasks a client host takes from its queue at once. A turn of its loop trains what it took and
-    #: uploads the updates in broker commits of up to 8, so a larger value means fewer commits (a
-    #: quarter of the CPU of a 50-device round went to one commit per 2 uploads at 2: see
-    #: benchmarks/results.md); its heartbeats go out between tasks however long the turn. 1 takes
-    #: one task at a time.
+    #: uploads the updates in broker transactions of up to 8, so a larger value means fewer
+    #: transactions (each a round trip, and CPU on both sides); its heartbeats go out between tasks
+    #: however long the turn. 1 takes one task at a time.
     client_prefetch: int = Field(32, ge=1)
     #: messages larger than this are dead-lettered unread (bytes)
     max_message_bytes: int = Field(256 * 1024 * 1024, ge=1024)
