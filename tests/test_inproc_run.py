@@ -282,6 +282,44 @@ def test_a_host_heartbeats_between_the_tasks_of_a_long_turn(tmp_path: Path, monk
     assert len(during) >= 3, (len(during), len(beats))
 
 
+def test_a_leave_asked_from_a_signal_handler_publishes_nothing_until_the_next_tick(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """SIGTERM runs ``terminate`` in a signal handler, which may interrupt a publish between its
+    frames; a publish from there interleaves with it and the broker closes the connection (505
+    UNEXPECTED_FRAME, seen in CI on a scale-down). So ``terminate`` only asks: the heartbeat that
+    announces the leave goes from the loop's next tick, and the host still hands its devices back."""
+    from shared.schemas import Heartbeat, decode
+    from shared.transport import KEY_SERVER
+
+    cfg = write_config(tmp_path / "c.yaml", rounds=3, devices_per_round=4)
+    (tmp_path / "a").mkdir()
+    cluster = InprocCluster(Experiment.build(load_config(cfg)), tmp_path / "a", "leave", clients=2)
+    cluster.run(until=lambda: len(cluster.server.rows) >= 1, max_steps=100_000)
+    host = cluster.clients[1]
+    sent: list[tuple[str, bytes]] = []
+    publish, publish_many = host.transport.publish, host.transport.publish_many
+
+    def spied(key: str, body: bytes, headers: dict[str, Any] | None = None) -> None:
+        sent.append((key, body))
+        publish(key, body, headers)
+
+    def spied_many(items: Any) -> set[str]:
+        sent.extend(items)
+        return publish_many(items)
+
+    monkeypatch.setattr(host.transport, "publish", spied)
+    monkeypatch.setattr(host.transport, "publish_many", spied_many)
+    host.terminate()
+    assert host.leaving and sent == []
+    host.tick()
+    assert [key for key, _ in sent] == [KEY_SERVER]
+    _, beat = decode(sent[0][1], max_bytes=1 << 20, exp="leave")
+    assert isinstance(beat, Heartbeat) and beat.leaving
+    assert cluster.run(max_steps=200_000) == 0
+    assert host in cluster.exited and len(cluster.server.rows) == 3
+
+
 def test_doc_block_is_replaced_between_markers_and_missing_markers_fail(tmp_path: Path) -> None:
     from shared.results import replace_doc_block
 

@@ -239,6 +239,7 @@ class Client(ServiceBase):
             self._departed()
 
     def tick(self) -> None:
+        """The heartbeat when one is due (also right after ``terminate``, which only asks for it)."""
         if not self.idle and time.time() - self.last_heartbeat >= self.hosts_cfg.heartbeat_s:
             self.heartbeat()
 
@@ -271,9 +272,13 @@ class Client(ServiceBase):
             return
         self.leaving = True
         self.log.info("leaving: handing the devices back", extra={"event": "host_leaving"})
-        self.heartbeat()
         if not self.data:  # nothing to hand back: the server may forget this host at once
             self._wind_down()
+        # The heartbeat that says so goes from the loop's next tick (within a poll or a task), not
+        # from here: this runs in a signal handler, which may have interrupted a publish between
+        # its frames — a second publish then interleaves with it and the broker closes the
+        # connection (505 UNEXPECTED_FRAME, seen in CI on a scale-down).
+        self.last_heartbeat = 0.0
 
     def _wind_down(self) -> None:
         """Leaving with every device handed back, the host has nothing more to do on the broker, and
