@@ -330,7 +330,10 @@ class ServiceBase:
 
     # -- the loop --------------------------------------------------------------------------------
     def terminate(self) -> None:
-        """SIGTERM: stop after the current message (a client host hands its devices back first)."""
+        """SIGTERM: stop after the current message (a client host hands its devices back first).
+
+        Runs in the signal handler (``services/cli.py``), which may interrupt a publish between its
+        frames: an override sets flags for the loop and never touches the broker itself."""
         self.stopped = True
 
     def tick(self) -> None:
