@@ -34,8 +34,10 @@ import csv
 import itertools
 import json
 import logging
+import multiprocessing
 import statistics
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -132,9 +134,22 @@ for _lab in (
 
 # -- issue #17: the same checks on Fashion-MNIST with LeNet-5 (``--setting fashion``) ----------------
 FASHION = ROOT / "experiments" / "feddse_fashion.yaml"
-#: check -> the run labels it needs (the Fashion block runs only the checks it is given: C3 and C4 at
-#: L = 2 are the grid ``feddse-fashion`` of ``services/reproduce.py``, not repeated here)
+#: the same setting with the paper's own model family (HeteroFL's CNN with static BN, 1/8 width)
+FASHION_CNN = ROOT / "experiments" / "feddse_fashion_cnn.yaml"
+#: --setting -> (config, how the table names the model, the layer C8 reads)
+SETTINGS: dict[str, tuple[Path, str, str]] = {
+    "fashion": (FASHION, "`lenet5_fmnist`", "FC-84 units"),
+    "fashion-cnn": (
+        FASHION_CNN,
+        "`cnn_feddse` (the paper's HeteroFL CNN with static BN at 1/8 width: 8-16-32-64 channels)",
+        "conv4 channels",
+    ),
+}
+#: check -> the run labels it needs (a Fashion block runs only the checks it is given; for the LeNet-5,
+#: C3 and C4 at L = 2 are the grid ``feddse-fashion`` of ``services/reproduce.py``, not repeated here)
 FASHION_CHECKS: dict[str, tuple[str, ...]] = {
+    "C3": ("homo/feddse-T0", "homo/fedrolex", "homo/feddse-T1"),
+    "C4": ("high/feddse", "high/fedrolex"),
     "C6": ("high/feddse", "high/fedrolex"),
     "C4L4": ("high/feddse", "high/fedrolex", "low/feddse", "low/fedrolex"),
     "C8": ("high/fedavg",),
@@ -465,9 +480,14 @@ def table(results: dict[str, list[dict[str, Any]]], c8: list[dict[str, float]], 
 
 
 def fashion_table(
-    results: dict[str, list[dict[str, Any]]], c8: list[dict[str, float]], seeds: list[int], checks: list[str]
+    results: dict[str, list[dict[str, Any]]],
+    c8: list[dict[str, float]],
+    seeds: list[int],
+    checks: list[str],
+    setting: str = "fashion",
 ) -> str:
-    """The ``--setting fashion`` block: the runs it made and the verdicts of the checks it was given."""
+    """A ``--setting fashion[-cnn]`` block: the runs it made and the verdicts of the checks it was given."""
+    config, model, c8_layer = SETTINGS[setting]
 
     def col(label: str, key: str = "acc5") -> list[float]:
         return [r[key] for r in results[label]]
@@ -479,8 +499,8 @@ def fashion_table(
         return "pass" if flag else "**fail**"
 
     lines = [
-        f"Fashion-MNIST (6,000 training images, the 10,000 test images), `lenet5_fmnist`, the spec's R0 "
-        f"hyper-parameters (`experiments/feddse_fashion.yaml`: 50 rounds, E = 2, B = 16, lr 0.05, "
+        f"Fashion-MNIST (6,000 training images, the 10,000 test images), {model}, the spec's R0 "
+        f"hyper-parameters (`{config.relative_to(ROOT)}`: 50 rounds, E = 2, B = 16, lr 0.05, "
         f"momentum 0.9, wd 5e-4); checks {', '.join(checks)}; seeds {', '.join(map(str, seeds))}. Accuracy "
         "of the global model on the test set in %, mean ± std over seeds; `acc5` = mean of the last 5 "
         "rounds. Bytes: wire bytes per participating device and round (msgpack framing included).",
@@ -494,6 +514,25 @@ def fashion_table(
             f"{_mean(col(lab, 'down_per_client')):,.0f} | {_mean(col(lab, 'up_per_client')):,.0f} |"
         )
     rows: list[tuple[str, str, str]] = []
+    if "C4" in checks:
+        d_hi = diff("high/feddse", "high/fedrolex")
+        rows.append(
+            (
+                "C4 high (L=2): FedDSE T=0 ≥ FedRolex (paper +3.93)",
+                f"{_fmt(d_hi)} points",
+                ok(_mean(d_hi) >= 0),
+            )
+        )
+    if "C3" in checks:
+        d_t0, d_t1 = diff("homo/feddse-T0", "homo/fedrolex"), diff("homo/feddse-T1", "homo/feddse-T0")
+        rows += [
+            (
+                "C3 homogeneous r=1/4: FedDSE T=0 below FedRolex (paper 81.25 vs 93.35)",
+                f"{_fmt(d_t0)} points",
+                ok(_mean(d_t0) < -0.02),
+            ),
+            ("C3: T=1 above T=0 (paper +15.3)", f"{_fmt(d_t1)} points", ok(_mean(d_t1) > 0)),
+        ]
     if "C6" in checks:
         exp = Experiment.build(parse_config(_config("high/feddse", 0, None), "x"))
         frac = expected_upload_fraction(WidthStructure(exp.model(), exp.dataset.input_shape), WidthOptions())
@@ -566,7 +605,7 @@ def fashion_table(
         dead = 100 * _mean([c["dead"] for c in c8])
         rows.append(
             (
-                "C8 Jaccard of top-25% FC-84 units (final FedAvg model): disjoint-label pairs "
+                f"C8 Jaccard of top-25% {c8_layer} (final FedAvg model): disjoint-label pairs "
                 "< label-sharing pairs < IID halves",
                 f"{dis:.3f} < {sh:.3f} < {iid:.3f} (dead units: {dead:.0f} %)",
                 ok(dis < sh < iid),
@@ -586,15 +625,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--docs", action="store_true", help="write the table into docs/algorithms/feddse.md")
     ap.add_argument(
         "--setting",
-        choices=["digits", "fashion"],
+        choices=["digits", *SETTINGS],
         default="digits",
-        help="fashion: experiments/feddse_fashion.yaml (LeNet-5) and only the runs of --checks",
+        help="fashion: experiments/feddse_fashion.yaml (LeNet-5), fashion-cnn: "
+        "experiments/feddse_fashion_cnn.yaml (the paper's CNN at 1/8 width); only the runs of --checks",
+    )
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="runs at once (each in its own process with one torch thread; the Fashion settings only)",
     )
     ap.add_argument("--checks", nargs="+", choices=list(FASHION_CHECKS), default=list(FASHION_CHECKS))
     args = ap.parse_args(argv)
     logging.getLogger().setLevel(logging.WARNING)
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.setting == "fashion":
+    if args.setting in SETTINGS:
         return _main_fashion(args)
     results: dict[str, list[dict[str, Any]]] = {}
     for label in RUNS:
@@ -611,13 +657,35 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _main_fashion(args: argparse.Namespace) -> int:
+def _use_base(base: Path, threads: int | None) -> None:
+    """Point ``_config`` at a setting's config (also the initializer of ``--jobs`` workers, which
+    import this module afresh and would otherwise build the digits runs)."""
     global BASE
-    BASE = FASHION
+    BASE = base
+    if threads is not None:
+        torch.set_num_threads(threads)
+
+
+def _main_fashion(args: argparse.Namespace) -> int:
+    base = SETTINGS[args.setting][0]
+    _use_base(base, None)
     labels = list(dict.fromkeys(lab for c in args.checks for lab in FASHION_CHECKS[c]))
+    todo = [(lab, s) for lab in labels for s in args.seeds]
+    if args.jobs > 1:
+        # independent runs, so a pool of processes; spawn, not fork: the parent has imported torch
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(
+            args.jobs, mp_context=ctx, initializer=_use_base, initargs=(base, 1)
+        ) as pool:
+            futures = {
+                key: pool.submit(_run, key[0], key[1], args.out, args.rounds, args.force) for key in todo
+            }
+            for n, (key, fut) in enumerate(futures.items(), start=1):
+                fut.result()
+                print(f"[{n}/{len(todo)}] {key[0]} seed {key[1]}", file=sys.stderr, flush=True)
+    force = args.force and args.jobs <= 1  # the pool has just made every run
     results = {
-        lab: [_measure(lab, _run(lab, s, args.out, args.rounds, args.force)) for s in args.seeds]
-        for lab in labels
+        lab: [_measure(lab, _run(lab, s, args.out, args.rounds, force)) for s in args.seeds] for lab in labels
     }
     c8 = (
         [motivation(_run_dir(args.out, "high/fedavg", s), s) for s in args.seeds]
@@ -625,7 +693,7 @@ def _main_fashion(args: argparse.Namespace) -> int:
         else []
     )
     (args.out / "results.json").write_text(json.dumps({"runs": results, "c8": c8}, indent=1))
-    md = fashion_table(results, c8, args.seeds, args.checks)
+    md = fashion_table(results, c8, args.seeds, args.checks, args.setting)
     (args.out / "table.md").write_text(md + "\n")
     print(md)
     return 0
