@@ -1,0 +1,47 @@
+"""``--jobs``: the experiment scripts' parallel runs must be the runs a sequential invocation makes.
+
+Why: the Fashion-MNIST blocks of the FedDSE and EmbracingFL pages are written with ``--jobs 2``
+(each run in a spawned worker with one torch thread) to fit a 2-core machine; a worker that built
+another config (the digits base, a module global it did not inherit) or numbers that depend on the
+worker count would put a table in the docs that a user re-running one row cannot get back.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+# imported by name, as services/reproduce.py does: mypy sees benchmarks/ as top-level scripts
+feddse_bench = importlib.import_module("benchmarks.feddse_experiment")
+efl_bench = importlib.import_module("benchmarks.embracingfl_experiment")
+
+
+def _runs(out: Path) -> dict[str, object]:
+    return json.loads((out / "results.json").read_text())["runs"]
+
+
+def test_feddse_parallel_runs_equal_sequential_ones(tmp_path: Path) -> None:
+    args = ["--setting", "fashion-cnn", "--checks", "C4", "--seeds", "0", "--rounds", "1"]
+    assert feddse_bench.main([*args, "--jobs", "2", "--out", str(tmp_path / "two")]) == 0
+    assert feddse_bench.main([*args, "--jobs", "1", "--out", str(tmp_path / "one")]) == 0
+    parallel, sequential = _runs(tmp_path / "two"), _runs(tmp_path / "one")
+    assert set(parallel) == {"high/feddse", "high/fedrolex"}
+    assert parallel == sequential
+    # the workers built the Fashion-MNIST CNN setting, not the digits base
+    for label in parallel:
+        cfg = (tmp_path / "two" / f"{label.replace('/', '-')}-s0" / "config.yaml").read_text()
+        assert "fashion-mnist" in cfg and "cnn_feddse" in cfg, label
+
+
+def test_embracingfl_fashion_experiment_a_differs_from_digits_only_in_base_and_passes() -> None:
+    digits = efl_bench._config("A", "56", "efl", 0, 0.5, 50)
+    fashion = efl_bench._config("A", "56", "efl", 0, 0.5, 50, "fashion")
+    assert digits["dataset"]["name"] == "digits" and digits["train"]["local_epochs"] == 10
+    assert fashion["dataset"]["name"] == "fashion-mnist" and fashion["model"]["name"] == "lenet5_fmnist"
+    assert fashion["train"]["local_epochs"] == 4
+    # the experiment's own parts are the digits ones: fleet, participation, algorithm, α, seed
+    for key in ("fleet", "num_devices", "devices_per_round", "algorithm", "seed", "rounds"):
+        assert fashion[key] == digits[key], key
+    assert fashion["dataset"]["alpha"] == digits["dataset"]["alpha"] == 0.5
+    assert fashion["name"] != digits["name"]  # a Fashion run never reuses a digits run's directory
