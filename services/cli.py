@@ -657,6 +657,17 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_verdicts(args: argparse.Namespace) -> int:
+    """Print (``--write``: also put in ``docs/algorithms/README.md``) how many spec §8 checks hold."""
+    from services import reproduce
+
+    text = reproduce.verdict_tally()
+    if args.write:
+        reproduce.replace_block(reproduce.TALLY_DOC, reproduce.TALLY_MARKER, text)
+    print(text)
+    return 0
+
+
 # -- argument parsing ------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fedfleet", description=__doc__.splitlines()[0] if __doc__ else None)
@@ -748,6 +759,10 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--rounds", type=int, help="shorter runs (smoke); the caption says so")
     rp.add_argument("--allow-dirty", action="store_true", help="run from an uncommitted tree")
     rp.set_defaults(fn=cmd_reproduce)
+
+    ver = sub.add_parser("verdicts", help="count the spec checks that hold, from the algorithm pages")
+    ver.add_argument("--write", action="store_true", help="also write it into docs/algorithms/README.md")
+    ver.set_defaults(fn=cmd_verdicts)
 
     ref = sub.add_parser("reference", help="print every config key and algorithm option (Markdown)")
     ref.add_argument("--out", type=Path, help="write to this file instead (docs/configuration.md)")

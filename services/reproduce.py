@@ -507,6 +507,83 @@ def tables_of(text: str) -> list[list[list[str]]]:
     return tables
 
 
+# -- the verdict tally: how many spec §8 checks hold, counted from the pages themselves ------------
+VERDICTS = "## Verdicts per dataset and model"
+TALLY_DOC, TALLY_MARKER = DOCS / "README.md", "verdict-tally"
+PAPERS = ("spafl", "hermes", "fedmef", "embracingfl", "feddse")
+
+
+@dataclass(frozen=True)
+class VerdictTable:
+    """One verdict table of a paper's page: the dataset and model it is for, and its rows' verdicts."""
+
+    doc: str
+    title: str
+    verdicts: tuple[str, ...]  # "pass", "fail" or "other" (reported, differs by design, not run)
+
+    def count(self, kind: str) -> int:
+        return sum(v == kind for v in self.verdicts)
+
+
+def classify(cell: str) -> str:
+    """A verdict cell as written on the pages: ``pass …``, ``**fail** …``, anything else."""
+    if cell.startswith("pass"):
+        return "pass"
+    return "fail" if "**fail**" in cell else "other"
+
+
+def verdict_tables(doc: str, text: str) -> list[VerdictTable]:
+    """The tables of a page's verdict section whose header is ``check | measured | verdict | …``;
+    each is titled by the bold opening of the paragraph above it."""
+    start = text.find(VERDICTS)
+    if start < 0:
+        return []
+    section = text[start + len(VERDICTS) :]
+    end = re.search(r"^## ", section, flags=re.M)
+    section = section[: end.start()] if end else section
+    found: list[VerdictTable] = []
+    title = ""
+    for chunk in re.split(r"\n\s*\n", section):
+        if bold := re.match(r"\*\*(.+?)\*\*", chunk.strip(), flags=re.S):
+            title = " ".join(bold.group(1).split()).rstrip(".")
+        for table in tables_of(chunk):
+            if [c.lower() for c in table[0][:3]] == ["check", "measured", "verdict"]:
+                found.append(VerdictTable(doc, title, tuple(classify(row[2]) for row in table[2:])))
+    return found
+
+
+def verdict_tally(docs_dir: Path = DOCS) -> str:
+    """The Markdown tally of every paper page's verdict tables (``fedfleet verdicts``).
+
+    Why a command: the share of checks that hold is the number issue-level claims are made of ("N of
+    M hold"); counted by hand it drifted from the pages. ``tests/test_reproduce.py`` checks that the
+    committed tally is what this function computes from the committed pages.
+    """
+    tables = [t for p in PAPERS for t in verdict_tables(f"{p}.md", (docs_dir / f"{p}.md").read_text())]
+    lines = [
+        "| page | dataset and model | checks | pass | fail | other |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for t in tables:
+        lines.append(
+            f"| [{t.doc}]({t.doc}) | {t.title} | {len(t.verdicts)} | {t.count('pass')} | "
+            f"{t.count('fail')} | {t.count('other')} |"
+        )
+    total = sum(len(t.verdicts) for t in tables)
+    passed, failed = sum(t.count("pass") for t in tables), sum(t.count("fail") for t in tables)
+    lines.append(f"| **all** | | {total} | {passed} | {failed} | {total - passed - failed} |")
+    share = 100 * passed / total if total else 0.0
+    return "\n".join(
+        [
+            "Written by `fedfleet verdicts --write` from the verdict tables of the five pages. "
+            f'**{passed} of {total} checks hold ({share:.0f} %)**; "other" is a check reported '
+            "without a pass/fail claim, one that differs by design, or one not run.",
+            "",
+            *lines,
+        ]
+    )
+
+
 # -- grids: the paper-scale checks (Fashion-MNIST + a small CNN) run by this module itself ------------
 @dataclass(frozen=True)
 class Variant:

@@ -59,6 +59,7 @@ def test_every_paper_block_has_the_commands_caption_and_shape(alg: str) -> None:
 def test_every_block_in_the_paper_docs_is_registered() -> None:
     """A block no reproduction writes would be a hand-maintained table again."""
     registered = {(r.doc, b.marker) for r in rp.REPRODUCTIONS.values() for b in r.blocks}
+    registered.add((rp.TALLY_DOC.name, rp.TALLY_MARKER))  # written by `fedfleet verdicts`, checked below
     for alg, rep in rp.REPRODUCTIONS.items():
         for marker in _doc_blocks(alg):
             assert (rep.doc, marker) in registered, f"{rep.doc}: block {marker} has no reproduction"
@@ -210,3 +211,58 @@ def test_a_grid_variant_can_start_from_its_own_config() -> None:
     )
     assert mef["algorithm"]["options"]["activation_sparsity"] == 0.9, "FedMef keeps its config's options"
     assert tiny["train"]["lr"] == mef["train"]["lr"] == 0.3
+
+
+def test_the_committed_verdict_tally_is_what_the_pages_hold() -> None:
+    """A verdict changed on a page without ``fedfleet verdicts --write`` would leave a stale tally."""
+    committed = rp.blocks_of(rp.TALLY_DOC.read_text())[rp.TALLY_MARKER]
+    assert committed == rp.verdict_tally(), "run `.venv/bin/fedfleet verdicts --write`"
+
+
+def test_verdict_tables_are_found_titled_and_counted() -> None:
+    page = """# X
+
+| check | measured | verdict |
+|---|---|---|
+| outside the verdict section | 1 | **fail** |
+
+## Verdicts per dataset and model
+
+**Digits, MLP, 3 seeds.** 2 of 4 hold.
+
+| check | measured | verdict | explanation |
+|---|---|---|---|
+| 1 a \\|mean\\| check | 0.1 | pass | |
+| 2 b | 3 | pass (FLOPs), latency worse | |
+| 3 c | 4 | **fail** (untestable) | why |
+| 4 d | – | reported | |
+
+**Fashion-MNIST, a CNN.**
+
+Some prose in between.
+
+| check | measured | verdict | explanation |
+|---|---|---|---|
+| 1 a | 2 | **fail** | |
+
+| not | a verdict | table |
+|---|---|---|
+| x | y | pass |
+
+## Spec sections
+
+| check | measured | verdict |
+|---|---|---|
+| after the section | 1 | pass |
+"""
+    tables = rp.verdict_tables("x.md", page)
+    assert [(t.title, t.verdicts) for t in tables] == [
+        ("Digits, MLP, 3 seeds", ("pass", "pass", "fail", "other")),
+        ("Fashion-MNIST, a CNN", ("fail",)),
+    ]
+    assert [rp.classify(c) for c in ("pass", "**fail** at α 0.1", "differs by design", "–")] == [
+        "pass",
+        "fail",
+        "other",
+        "other",
+    ]
