@@ -534,7 +534,8 @@ def classify(cell: str) -> str:
 
 def verdict_tables(doc: str, text: str) -> list[VerdictTable]:
     """The tables of a page's verdict section whose header is ``check | measured | verdict | …``;
-    each is titled by the bold opening of the paragraph above it."""
+    each is titled by the bold opening of the paragraph right above it (a table without one is an
+    error: a title carried over from further up names another table's dataset)."""
     start = text.find(VERDICTS)
     if start < 0:
         return []
@@ -542,13 +543,16 @@ def verdict_tables(doc: str, text: str) -> list[VerdictTable]:
     end = re.search(r"^## ", section, flags=re.M)
     section = section[: end.start()] if end else section
     found: list[VerdictTable] = []
-    title = ""
-    for chunk in re.split(r"\n\s*\n", section):
+    title, titled_at = "", -2
+    for i, chunk in enumerate(re.split(r"\n\s*\n", section)):
         if bold := re.match(r"\*\*(.+?)\*\*", chunk.strip(), flags=re.S):
-            title = " ".join(bold.group(1).split()).rstrip(".")
+            title, titled_at = " ".join(bold.group(1).split()).rstrip("."), i
         for table in tables_of(chunk):
-            if [c.lower() for c in table[0][:3]] == ["check", "measured", "verdict"]:
-                found.append(VerdictTable(doc, title, tuple(classify(row[2]) for row in table[2:])))
+            if [c.lower() for c in table[0][:3]] != ["check", "measured", "verdict"]:
+                continue
+            if titled_at < i - 1:
+                raise ValueError(f"{doc}: a verdict table without a bold title right above it: {table[2]}")
+            found.append(VerdictTable(doc, title, tuple(classify(row[2]) for row in table[2:])))
     return found
 
 
@@ -576,8 +580,10 @@ def verdict_tally(docs_dir: Path = DOCS) -> str:
     return "\n".join(
         [
             "Written by `fedfleet verdicts --write` from the verdict tables of the five pages. "
-            f'**{passed} of {total} checks hold ({share:.0f} %)**; "other" is a check reported '
-            "without a pass/fail claim, one that differs by design, or one not run.",
+            f"**{passed} of {total} verdict rows hold ({share:.0f} %).** A row is one line of a page's "
+            "verdict table (a check with several parts, e.g. FedDSE's C6 ratios, takes several rows); "
+            'a row whose verdict fails in part counts as failing; "other" is a row reported without a '
+            "pass/fail claim, one that differs by design, or one not run.",
             "",
             *lines,
         ]

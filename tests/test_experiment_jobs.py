@@ -34,7 +34,7 @@ def test_feddse_parallel_runs_equal_sequential_ones(tmp_path: Path) -> None:
         assert "fashion-mnist" in cfg and "cnn_feddse" in cfg, label
 
 
-def test_embracingfl_fashion_experiment_a_differs_from_digits_only_in_base_and_passes() -> None:
+def test_embracingfl_fashion_experiments_differ_from_digits_only_in_base_and_passes() -> None:
     digits = efl_bench._config("A", "56", "efl", 0, 0.5, 50)
     fashion = efl_bench._config("A", "56", "efl", 0, 0.5, 50, "fashion")
     assert digits["dataset"]["name"] == "digits" and digits["train"]["local_epochs"] == 10
@@ -45,3 +45,6 @@ def test_embracingfl_fashion_experiment_a_differs_from_digits_only_in_base_and_p
         assert fashion[key] == digits[key], key
     assert fashion["dataset"]["alpha"] == digits["dataset"]["alpha"] == 0.5
     assert fashion["name"] != digits["name"]  # a Fashion run never reuses a digits run's directory
+    # Experiment B: the Fashion-MNIST case grids' 2 passes (~12 steps), not the digits' 5
+    assert efl_bench._config("B", "case 5", "efl", 0, 0.5, 50)["train"]["local_epochs"] == 5
+    assert efl_bench._config("B", "case 5", "efl", 0, 0.5, 50, "fashion")["train"]["local_epochs"] == 2

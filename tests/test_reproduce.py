@@ -237,9 +237,7 @@ def test_verdict_tables_are_found_titled_and_counted() -> None:
 | 3 c | 4 | **fail** (untestable) | why |
 | 4 d | – | reported | |
 
-**Fashion-MNIST, a CNN.**
-
-Some prose in between.
+**Fashion-MNIST, a CNN.** Some prose after the title.
 
 | check | measured | verdict | explanation |
 |---|---|---|---|
@@ -260,6 +258,10 @@ Some prose in between.
         ("Digits, MLP, 3 seeds", ("pass", "pass", "fail", "other")),
         ("Fashion-MNIST, a CNN", ("fail",)),
     ]
+    # a title two paragraphs up belongs to another table: an error, not a silent carry-over
+    stray = page.replace("after the title.\n", "after the title.\n\nA diagnostic paragraph.\n")
+    with pytest.raises(ValueError, match="without a bold title right above it"):
+        rp.verdict_tables("x.md", stray)
     assert [rp.classify(c) for c in ("pass", "**fail** at α 0.1", "differs by design", "–")] == [
         "pass",
         "fail",
