@@ -50,11 +50,9 @@ import argparse
 import copy
 import itertools
 import json
-import multiprocessing
 import statistics
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +63,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from services.orchestrator import run_inproc_once  # noqa: E402
+from services.reproduce import worker_pool  # noqa: E402
 from shared.config import parse_config  # noqa: E402
 from shared.results import read_rounds, replace_doc_block  # noqa: E402
 
@@ -195,17 +194,10 @@ def _execute(cfg_dict: dict[str, Any], out: Path, force: bool) -> bool:
     return run_inproc_once(cfg, out / cfg.name, cfg.name, force=force)
 
 
-def _one_thread() -> None:
-    import torch
-
-    torch.set_num_threads(1)
-
-
 def _execute_all(cfgs: list[dict[str, Any]], out: Path, force: bool, jobs: int) -> None:
     """Make every run, ``jobs`` at a time in their own processes (spawned: the parent has imported
     torch); counts what ran and what was reused."""
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_one_thread) as pool:
+    with worker_pool(jobs) as pool:
         futures = [pool.submit(_execute, cfg, out, force) for cfg in cfgs]
         try:
             for n, (cfg, fut) in enumerate(zip(cfgs, futures, strict=True), start=1):

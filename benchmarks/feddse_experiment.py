@@ -34,10 +34,8 @@ import csv
 import itertools
 import json
 import logging
-import multiprocessing
 import statistics
 import sys
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from services.orchestrator import run_inproc_once  # noqa: E402
+from services.reproduce import worker_pool  # noqa: E402
 from shared.algorithms.base import load_arrays  # noqa: E402
 from shared.config import parse_config  # noqa: E402
 from shared.experiment import Experiment  # noqa: E402
@@ -673,7 +672,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.setting in SETTINGS:
         return _main_fashion(args)
-    _use_base(DIGITS, None)  # a Fashion setting run earlier in this process must not leak into these
+    _use_base(DIGITS)  # a Fashion setting run earlier in this process must not leak into these
     results: dict[str, list[dict[str, Any]]] = {}
     for label in RUNS:
         results[label] = [
@@ -689,26 +688,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _use_base(base: Path, threads: int | None) -> None:
+def _use_base(base: Path) -> None:
     """Point ``_config`` at a setting's config (also the initializer of ``--jobs`` workers, which
     import this module afresh and would otherwise build the digits runs)."""
     global BASE
     BASE = base
-    if threads is not None:
-        torch.set_num_threads(threads)
 
 
 def _main_fashion(args: argparse.Namespace) -> int:
     base = SETTINGS[args.setting][0]
-    _use_base(base, None)
+    _use_base(base)
     labels = list(dict.fromkeys(lab for c in args.checks for lab in FASHION_CHECKS[c]))
     todo = [(lab, s) for lab in labels for s in args.seeds]
     if args.jobs > 1:
         # independent runs, so a pool of processes; spawn, not fork: the parent has imported torch
-        ctx = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(
-            args.jobs, mp_context=ctx, initializer=_use_base, initargs=(base, 1)
-        ) as pool:
+        with worker_pool(args.jobs, _use_base, (base,)) as pool:
             futures = {
                 key: pool.submit(_run, key[0], key[1], args.out, args.rounds, args.force) for key in todo
             }

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import multiprocessing
 import os
 import re
 import shutil
@@ -29,6 +30,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -441,6 +444,36 @@ def run_block(block: Block, out: Path, seeds: tuple[int, ...], rounds: int | Non
     if block.table is None:
         return done.stdout.rstrip()
     return (out / block.table).read_text().rstrip()
+
+
+def _worker_init(initializer: Callable[..., None] | None, initargs: tuple[Any, ...]) -> None:
+    """A pool worker's set-up: one torch thread (two workers already fill two cores), die with the
+    parent, then the script's own initializer."""
+    if sys.platform == "linux":  # PR_SET_PDEATHSIG: SIGTERM when the process that spawned us dies
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+    import torch
+
+    torch.set_num_threads(1)
+    if initializer is not None:
+        initializer(*initargs)
+
+
+def worker_pool(
+    jobs: int, initializer: Callable[..., None] | None = None, initargs: tuple[Any, ...] = ()
+) -> ProcessPoolExecutor:
+    """The process pool of an experiment script's ``--jobs``.
+
+    Why spawn and a death signal: the parent has imported torch (forking it is unsafe), and a
+    worker that outlived a killed parent went on with its queued runs, writing into the run
+    directories a rerun of the same block was writing (a server then refused a checkpoint whose
+    checksum another process's write had changed). Killing the parent now ends its workers.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    setup = (initializer, initargs)
+    return ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_worker_init, initargs=setup)
 
 
 def replace_block(doc: Path, marker: str, text: str) -> None:

@@ -10,7 +10,14 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
+
+from services.reproduce import ROOT
 
 # imported by name, as services/reproduce.py does: mypy sees benchmarks/ as top-level scripts
 feddse_bench = importlib.import_module("benchmarks.feddse_experiment")
@@ -48,3 +55,36 @@ def test_embracingfl_fashion_experiments_differ_from_digits_only_in_base_and_pas
     # Experiment B: the Fashion-MNIST case grids' 2 passes (~12 steps), not the digits' 5
     assert efl_bench._config("B", "case 5", "efl", 0, 0.5, 50)["train"]["local_epochs"] == 5
     assert efl_bench._config("B", "case 5", "efl", 0, 0.5, 50, "fashion")["train"]["local_epochs"] == 2
+
+
+def test_a_killed_parent_takes_its_workers_with_it() -> None:
+    """A worker that outlived its parent went on with its queued runs, into the directories a rerun
+    of the same block was writing; ``worker_pool`` workers now get SIGTERM when the parent dies."""
+    script = (
+        "import os, sys, time\n"
+        "from services.reproduce import worker_pool\n"
+        "pool = worker_pool(1)\n"
+        "print(pool.submit(os.getpid).result(), flush=True)\n"
+        "pool.submit(time.sleep, 120)\n"
+        "time.sleep(120)\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True, env={**os.environ}
+    )
+    try:
+        assert parent.stdout is not None
+        worker = int(parent.stdout.readline())
+        os.kill(worker, 0)  # alive while its parent is
+        parent.send_signal(signal.SIGKILL)  # no clean-up of any kind in the parent
+        parent.wait(10)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                os.kill(worker, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
+        os.kill(worker, signal.SIGKILL)
+        raise AssertionError(f"worker {worker} outlived its killed parent")
+    finally:
+        parent.kill()
