@@ -353,7 +353,6 @@ REPRODUCTIONS: dict[str, Reproduction] = {
                 ("--experiment", "A", "--setting", "fashion", "--alphas", "0.5", "--jobs", "2"),
                 table="table_A.md",
                 configs=("experiments/embracingfl_fashion.yaml",),
-                pending="added on 2026-11-28; the first run of the command writes it",
             ),
             Block(
                 "lgfedavg-results",
