@@ -151,7 +151,6 @@ REPRODUCTIONS: dict[str, Reproduction] = {
                     "C9",
                 ),
                 configs=("experiments/feddse_fashion_cnn.yaml",),
-                pending="added on 2026-11-28; the first run of the command writes it",
             ),
             # a diagnostic, not the verdicts: C3 / C4 with the authors' code's training flags
             Block(
