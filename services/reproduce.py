@@ -596,7 +596,7 @@ def verdict_tally(docs_dir: Path = DOCS) -> str:
     """
     tables = [t for p in PAPERS for t in verdict_tables(f"{p}.md", (docs_dir / f"{p}.md").read_text())]
     lines = [
-        "| page | dataset and model | checks | pass | fail | other |",
+        "| page | dataset and model | rows | pass | fail | other |",
         "|---|---|---:|---:|---:|---:|",
     ]
     for t in tables:
