@@ -63,7 +63,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from services.orchestrator import run_inproc_once  # noqa: E402
-from services.reproduce import worker_pool  # noqa: E402
+from services.reproduce import run_in_pool  # noqa: E402
 from shared.config import parse_config  # noqa: E402
 from shared.results import read_rounds, replace_doc_block  # noqa: E402
 
@@ -197,15 +197,8 @@ def _execute(cfg_dict: dict[str, Any], out: Path, force: bool) -> bool:
 def _execute_all(cfgs: list[dict[str, Any]], out: Path, force: bool, jobs: int) -> None:
     """Make every run, ``jobs`` at a time in their own processes (spawned: the parent has imported
     torch); counts what ran and what was reused."""
-    with worker_pool(jobs) as pool:
-        futures = [pool.submit(_execute, cfg, out, force) for cfg in cfgs]
-        try:
-            for n, (cfg, fut) in enumerate(zip(cfgs, futures, strict=True), start=1):
-                COUNTS["executed" if fut.result() else "reused"] += 1
-                print(f"[{n}/{len(cfgs)}] {cfg['name']}", file=sys.stderr, flush=True)
-        except BaseException:
-            pool.shutdown(cancel_futures=True)  # report a failed run now, not after the queue
-            raise
+    for ran in run_in_pool(jobs, _execute, [(cfg["name"], (cfg, out, force)) for cfg in cfgs]):
+        COUNTS["executed" if ran else "reused"] += 1
 
 
 def _run(cfg_dict: dict[str, Any], out: Path, force: bool, count: bool = True) -> dict[str, Any]:

@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from services.orchestrator import run_inproc_once  # noqa: E402
-from services.reproduce import worker_pool  # noqa: E402
+from services.reproduce import run_in_pool  # noqa: E402
 from shared.algorithms.base import load_arrays  # noqa: E402
 from shared.config import parse_config  # noqa: E402
 from shared.experiment import Experiment  # noqa: E402
@@ -702,17 +702,8 @@ def _main_fashion(args: argparse.Namespace) -> int:
     todo = [(lab, s) for lab in labels for s in args.seeds]
     if args.jobs > 1:
         # independent runs, so a pool of processes; spawn, not fork: the parent has imported torch
-        with worker_pool(args.jobs, _use_base, (base,)) as pool:
-            futures = {
-                key: pool.submit(_run, key[0], key[1], args.out, args.rounds, args.force) for key in todo
-            }
-            try:
-                for n, (key, fut) in enumerate(futures.items(), start=1):
-                    fut.result()
-                    print(f"[{n}/{len(todo)}] {key[0]} seed {key[1]}", file=sys.stderr, flush=True)
-            except BaseException:
-                pool.shutdown(cancel_futures=True)  # report a failed run now, not after the queue
-                raise
+        calls = [(f"{lab} seed {s}", (lab, s, args.out, args.rounds, args.force)) for lab, s in todo]
+        run_in_pool(args.jobs, _run, calls, _use_base, (base,))
     force = args.force and args.jobs <= 1  # the pool has just made every run
     results = {
         lab: [_measure(lab, _run(lab, s, args.out, args.rounds, force)) for s in args.seeds] for lab in labels

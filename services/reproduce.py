@@ -474,6 +474,29 @@ def worker_pool(
     return ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_worker_init, initargs=setup)
 
 
+def run_in_pool(
+    jobs: int,
+    fn: Callable[..., Any],
+    calls: list[tuple[str, tuple[Any, ...]]],
+    initializer: Callable[..., None] | None = None,
+    initargs: tuple[Any, ...] = (),
+) -> list[Any]:
+    """``fn(*args)`` for every ``(name, args)`` of ``calls``, ``jobs`` at a time in a
+    :func:`worker_pool`; the results in the calls' order, each call's name printed as it finishes.
+    A failed call cancels the queue and raises at once, not after every other run."""
+    with worker_pool(jobs, initializer, initargs) as pool:
+        futures = [pool.submit(fn, *args) for _, args in calls]
+        results = []
+        try:
+            for n, ((name, _), fut) in enumerate(zip(calls, futures, strict=True), start=1):
+                results.append(fut.result())
+                print(f"[{n}/{len(calls)}] {name}", file=sys.stderr, flush=True)
+        except BaseException:
+            pool.shutdown(cancel_futures=True)
+            raise
+    return results
+
+
 def replace_block(doc: Path, marker: str, text: str) -> None:
     from shared.results import replace_doc_block
 
@@ -541,7 +564,6 @@ def tables_of(text: str) -> list[list[list[str]]]:
 # -- the verdict tally: how many spec §8 checks hold, counted from the pages themselves ------------
 VERDICTS = "## Verdicts per dataset and model"
 TALLY_DOC, TALLY_MARKER = DOCS / "README.md", "verdict-tally"
-PAPERS = ("spafl", "hermes", "fedmef", "embracingfl", "feddse")
 
 
 @dataclass(frozen=True)
@@ -594,7 +616,8 @@ def verdict_tally(docs_dir: Path = DOCS) -> str:
     M hold"); counted by hand it drifted from the pages. ``tests/test_reproduce.py`` checks that the
     committed tally is what this function computes from the committed pages.
     """
-    tables = [t for p in PAPERS for t in verdict_tables(f"{p}.md", (docs_dir / f"{p}.md").read_text())]
+    docs = dict.fromkeys(rep.doc for rep in REPRODUCTIONS.values())  # a page without the section adds none
+    tables = [t for doc in docs for t in verdict_tables(doc, (docs_dir / doc).read_text())]
     lines = [
         "| page | dataset and model | rows | pass | fail | other |",
         "|---|---|---:|---:|---:|---:|",
