@@ -15,7 +15,11 @@ Groups:
 * ``ablation`` — FedMef w/o BaE, w/o NSConv (activation pruning on plain un-normalised convs) and,
   as a diagnostic, without activation pruning (NSConv kept);
 * ``delta_r`` — FedMef and FedTiny at E = 1 with ΔR ∈ {2, 8} (Table 1 analogue, check 4; ΔR = 4 was
-  dropped to fit the machine's time budget).
+  dropped to fit the machine's time budget);
+* ``nsconv`` — check 7 in its theorem's own setting: FedMef with and without NSConv on the same model
+  *without biases* (the paper's ResNet/MobileNet convs have none; Theorem 1 has none), to split the
+  check's miss between the models' biases and the theorem's other assumption (every input coordinate
+  of a conv shares one mean). Blocks ``fedmef-results-nsconv`` / ``fedmef-results-fashion-nsconv``.
 
 Memory per method: the training footprint the clients' admission uses (``Strategy.task_footprint``:
 sparse weights and gradients in App. C.1 storage + the *measured* activation cache + the top-ξ buffer,
@@ -45,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,6 +75,8 @@ FASHION_RUNS = (
     "ablation/fedmef-no-nsconv",
     # check 4, a block of its own (``--groups delta_r``) so the main block's runs are not redone
     *(f"delta_r/{algo}-dr{dr}" for algo in ("fedmef", "fedtiny") for dr in (2, 8)),
+    "nsconv/fedmef-nobias",
+    "nsconv/fedmef-no-nsconv-nobias",
 )
 #: (model, input shape) of each setting, for the paper's App. C.2 memory model (check 1)
 PAPER_MODEL = {"digits": ("tinycnn", (1, 8, 8)), "fashion": ("lenet5_fmnist", (1, 28, 28))}
@@ -98,8 +105,16 @@ RUNS: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
     # does a rate of its own close FedMef's accuracy gap to FedTiny (check 2)?
     "ablation/fedmef-lr0.1": ("ablation", "fedmef", {}, {"lr": 0.1}),
     "ablation/fedmef-lr0.6": ("ablation", "fedmef", {}, {"lr": 0.6}),
+    # check 7 without biases (MODEL_OPTIONS): the theorem's setting
+    "nsconv/fedmef-nobias": ("nsconv", "fedmef", {}, {}),
+    "nsconv/fedmef-no-nsconv-nobias": ("nsconv", "fedmef", {"nsconv": False}, {}),
 }
-GROUPS = ("tune", "main", "ablation", "delta_r")
+GROUPS = ("tune", "main", "ablation", "delta_r", "nsconv")
+#: label -> model options override (both settings' models have a ``bias`` switch)
+MODEL_OPTIONS: dict[str, dict[str, Any]] = {
+    "nsconv/fedmef-nobias": {"bias": False},
+    "nsconv/fedmef-no-nsconv-nobias": {"bias": False},
+}
 
 
 def _config(label: str, seed: int, lr: float | None, setting: str = "digits") -> dict[str, Any]:
@@ -109,6 +124,7 @@ def _config(label: str, seed: int, lr: float | None, setting: str = "digits") ->
     cfg["seed"] = seed
     cfg["name"] = f"fedmef-bench-{setting}-{label.replace('/', '-')}-s{seed}"
     cfg["algorithm"]["options"].update(opts)
+    cfg["model"].setdefault("options", {}).update(MODEL_OPTIONS.get(label, {}))
     if lr is not None and label.split("/")[0] != "tune":
         cfg["train"]["lr"] = lr
     cfg["train"].update(train)
@@ -174,11 +190,30 @@ def _measure(label: str, run_dir: Path) -> dict[str, Any]:
             model = s.load_model(ServerState({k: z[k] for k in z.files}))
         ratio, dead = conv_output_stats(model, "conv2", exp.dataset.x_test)
         out["conv2_mean_over_std"] = ratio
+        out["conv2_input_mean_cv"] = input_mean_spread(model, "conv2", exp.dataset.x_test)
         out["conv2_dead_channels"] = dead
         out["conv2_channels"] = int(dict(model.named_parameters())["conv2.weight"].shape[0])
     # post-pruning drop without the first adjustment (the digits runs' drop is dominated by it)
     out["post_prune_drop_later"] = float(np.mean(drops[1:])) if len(drops) > 1 else None
     return out
+
+
+def input_mean_spread(model: torch.nn.Module, layer: str, x: np.ndarray) -> float:
+    """Theorem 1's other assumption, measured: ``layer``'s input coordinates (channel × position) on
+    ``x`` should share one mean μ_f, so that a filter whose weights sum to 0 has outputs of mean 0.
+    Returns the coefficient of variation (std / mean) of the per-coordinate input means: 0 when the
+    assumption holds; with it > 0 a zero-sum filter still has a mean of Σ_j Ŵ_j (E[x_j] − μ̄)."""
+    found: list[torch.Tensor] = []
+    mod = dict(model.named_modules())[layer]
+    h = mod.register_forward_hook(lambda m, i, o: found.append(i[0].detach()))
+    try:
+        model.eval()
+        with torch.no_grad():
+            model(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)))
+    finally:
+        h.remove()
+    means = found[0].double().mean(0).flatten()
+    return float(means.std() / means.mean().abs().clamp_min(1e-30))
 
 
 def _paper_memory(setting: str = "digits") -> dict[str, Any]:
@@ -253,6 +288,40 @@ def _dr_section(per: dict[str, Any], agg: Callable[[str, str], tuple[float, floa
     return lines
 
 
+def _nsconv_section(
+    per: dict[str, Any], agg: Callable[[str, str], tuple[float, float] | None], model: str
+) -> list[str]:
+    """Check 7 on the bias-free model: conv2's |mean|/std with and without NSConv, and how far conv2's
+    inputs are from sharing one mean (the theorem's remaining assumption)."""
+    if not any(k.startswith("nsconv/") for k in per):
+        return []
+    lines = [
+        "",
+        f"Check 7 without biases (`{model}` with `bias: false`, conv2 outputs of the final global model on "
+        "the test set; mean ± std over seeds):",
+        "",
+        r"| model | final acc (%) | conv2 \|mean\|/std | dead conv2 channels | CV of conv2's input means |",
+        "|---|---|---|---|---|",
+    ]
+    for label, name in (
+        ("nsconv/fedmef-nobias", "FedMef (NSConv), no biases"),
+        ("nsconv/fedmef-no-nsconv-nobias", "FedMef w/o NSConv, no biases"),
+    ):
+        if label in per:
+            lines.append(
+                f"| {name} | {_fmt(agg(label, 'final_accuracy'), 100, 1)} | "
+                f"{_fmt(agg(label, 'conv2_mean_over_std'), 1, 3)} | "
+                f"{_fmt(agg(label, 'conv2_dead_channels'), 1, 1)} | "
+                f"{_fmt(agg(label, 'conv2_input_mean_cv'), 1, 2)} |"
+            )
+    lines += [
+        "",
+        "CV of conv2's input means = std / mean of the test-set means of conv2's input coordinates (channel "
+        "× position): Theorem 1 assumes one shared mean (CV 0).",
+    ]
+    return lines
+
+
 def _table(results: dict[str, Any], seeds: list[int], lr: float, setting: str = "digits") -> str:
     per = results["runs"]
     rounds = results.get("rounds", 40)
@@ -261,6 +330,18 @@ def _table(results: dict[str, Any], seeds: list[int], lr: float, setting: str = 
     def agg(label: str, key: str) -> tuple[float, float] | None:
         return _agg([per[label][str(s)].get(key) for s in seeds if str(s) in per.get(label, {})])
 
+    if not any(RUNS[k][0] in ("main", "ablation", "delta_r") for k in per):
+        # a check-7-only block: its caption and the bias-free table
+        return (
+            "\n".join(
+                [
+                    f"Seeds {seeds}; η_0 = {lr} (the configs'); `{model}` without biases, everything else "
+                    f"as the main block ({rounds} rounds).",
+                    *_nsconv_section(per, agg, model),
+                ]
+            )
+            + "\n"
+        )
     if not any(RUNS[k][0] in ("main", "ablation") for k in per):
         # a ΔR-only block (check 4 on Fashion-MNIST): its caption and the ΔR table, nothing else
         return (
@@ -344,6 +425,7 @@ def _table(results: dict[str, Any], seeds: list[int], lr: float, setting: str = 
             f"{_fmt(got, 1, 1)} B on the wire vs Σξ(b + ⌈log₂ numel⌉)/8 = {_fmt(want, 1, 1)} B."
         )
     lines += _dr_section(per, agg)
+    lines += _nsconv_section(per, agg, model)
     tune = results.get("tune", {})
     if tune:
         lines += [
@@ -395,12 +477,10 @@ def main() -> None:
             }
             best = max(results["tune"], key=lambda k: results["tune"][k])
             lr = lr if lr is not None else float(best.rsplit("lr", 1)[1])
-        if fashion:
-            cfg_lr = yaml.safe_load((ROOT / "experiments" / FASHION_BASE["fedmef"]).read_text())["train"][
-                "lr"
-            ]
+        else:  # the configs' η_0 (the digits tuning's pick)
+            base = FASHION_BASE if fashion else BASE
+            cfg_lr = yaml.safe_load((ROOT / "experiments" / base["fedmef"]).read_text())["train"]["lr"]
             lr = lr if lr is not None else float(cfg_lr)
-        lr = lr if lr is not None else 0.1
         results["lr"] = lr
         results["rounds"] = int(_config("main/fedmef", 0, lr, args.setting)["rounds"])
         jobs = [
@@ -419,6 +499,7 @@ def main() -> None:
     if args.docs:
         marker = "fedmef-results-fashion" if fashion else "fedmef-results"
         marker += "-dr" if fashion and args.groups == ["delta_r"] else ""
+        marker += "-nsconv" if args.groups == ["nsconv"] else ""
         replace_doc_block(ROOT / "docs" / "algorithms" / "fedmef.md", marker, table)
 
 

@@ -313,6 +313,24 @@ REPRODUCTIONS: dict[str, Reproduction] = {
                 rounds_flag=False,
                 configs=("experiments/fedmef_fashion_lenet.yaml", "experiments/fedtiny_fashion_lenet.yaml"),
             ),
+            # check 7 in Theorem 1's setting (no biases), on both datasets: FedMef with and without
+            # NSConv (6 runs each)
+            Block(
+                "fedmef-results-nsconv",
+                "benchmarks/fedmef_experiment.py",
+                ("--groups", "nsconv", "--workers", "2"),
+                rounds_flag=False,
+                configs=("experiments/fedmef_digits.yaml",),
+                pending="new block",
+            ),
+            Block(
+                "fedmef-results-fashion-nsconv",
+                "benchmarks/fedmef_experiment.py",
+                ("--setting", "fashion", "--groups", "nsconv", "--workers", "2"),
+                rounds_flag=False,
+                configs=("experiments/fedmef_fashion_lenet.yaml",),
+                pending="new block",
+            ),
         ),
         baselines=("fedtiny", "feddst"),
     ),
