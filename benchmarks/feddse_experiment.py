@@ -54,9 +54,8 @@ from shared.experiment import Experiment  # noqa: E402
 from shared.models.width_slice import WidthOptions, WidthStructure, expected_upload_fraction, unit_scores  # noqa: E402
 from shared.results import replace_doc_block  # noqa: E402
 
+#: the config ``_config`` starts from unless given a ``--setting``'s
 DIGITS = ROOT / "experiments" / "feddse_digits.yaml"
-#: the config ``_config`` starts from: the digits one, or a ``--setting``'s (``_use_base``)
-BASE = DIGITS
 RHOS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 METHODS = ("fedavg", "heterofl", "fedrolex", "feddropout", "fjord", "feddse")
 
@@ -160,9 +159,9 @@ FASHION_CHECKS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _config(label: str, seed: int, rounds: int | None) -> dict[str, Any]:
+def _config(label: str, seed: int, rounds: int | None, base: Path = DIGITS) -> dict[str, Any]:
     setting, algo, opts = RUNS[label]
-    cfg = yaml.safe_load(BASE.read_text())
+    cfg = yaml.safe_load(base.read_text())
     cfg["seed"] = seed
     cfg["name"] = f"feddse-bench-{label.replace('/', '-')}-s{seed}"
     if rounds:
@@ -186,9 +185,9 @@ def _run_dir(out: Path, label: str, seed: int) -> Path:
     return out / f"{label.replace('/', '-')}-s{seed}"
 
 
-def _run(label: str, seed: int, out: Path, rounds: int | None, force: bool) -> Path:
+def _run(label: str, seed: int, out: Path, rounds: int | None, force: bool, base: Path = DIGITS) -> Path:
     run_dir = _run_dir(out, label, seed)
-    cfg = parse_config(_config(label, seed, rounds), label)
+    cfg = parse_config(_config(label, seed, rounds, base), label)
     run_inproc_once(cfg, run_dir, f"fdb-{label.replace('/', '-')}-s{seed}", force=force)
     return run_dir
 
@@ -217,9 +216,9 @@ def _jaccard(a: np.ndarray, b: np.ndarray) -> float:
     return len(sa & sb) / len(sa | sb)
 
 
-def motivation(run_dir: Path, seed: int) -> dict[str, float]:
+def motivation(run_dir: Path, seed: int, base: Path = DIGITS) -> dict[str, float]:
     """C8 (Fig 2): top-25% neurons of hidden layer 2 of the final FedAvg model, per device."""
-    cfg = parse_config(_config("high/fedavg", seed, None), "c8")
+    cfg = parse_config(_config("high/fedavg", seed, None, base), "c8")
     exp = Experiment.build(cfg)
     model = exp.model()
     with np.load(run_dir / "global_model.npz") as z:
@@ -547,7 +546,7 @@ def fashion_table(
             ),
         ]
     if "C6" in checks:
-        exp = Experiment.build(parse_config(_config("high/feddse", 0, None), "x"))
+        exp = Experiment.build(parse_config(_config("high/feddse", 0, None, config), "x"))
         frac = expected_upload_fraction(WidthStructure(exp.model(), exp.dataset.input_shape), WidthOptions())
         down = _mean(col("high/feddse", "down_per_client")) / _mean(col("high/fedrolex", "down_per_client"))
         up = _mean(col("high/feddse", "up_per_client")) / _mean(col("high/fedrolex", "up_per_client"))
@@ -672,7 +671,6 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.setting in SETTINGS:
         return _main_fashion(args)
-    _use_base(DIGITS)  # a Fashion setting run earlier in this process must not leak into these
     results: dict[str, list[dict[str, Any]]] = {}
     for label in RUNS:
         results[label] = [
@@ -688,28 +686,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _use_base(base: Path) -> None:
-    """Point ``_config`` at a setting's config (also the initializer of ``--jobs`` workers, which
-    import this module afresh and would otherwise build the digits runs)."""
-    global BASE
-    BASE = base
-
-
 def _main_fashion(args: argparse.Namespace) -> int:
     base = SETTINGS[args.setting][0]
-    _use_base(base)
     labels = list(dict.fromkeys(lab for c in args.checks for lab in FASHION_CHECKS[c]))
     todo = [(lab, s) for lab in labels for s in args.seeds]
     if args.jobs > 1:
         # independent runs, so a pool of processes; spawn, not fork: the parent has imported torch
-        calls = [(f"{lab} seed {s}", (lab, s, args.out, args.rounds, args.force)) for lab, s in todo]
-        run_in_pool(args.jobs, _run, calls, _use_base, (base,))
+        calls = [(f"{lab} seed {s}", (lab, s, args.out, args.rounds, args.force, base)) for lab, s in todo]
+        run_in_pool(args.jobs, _run, calls)
     force = args.force and args.jobs <= 1  # the pool has just made every run
     results = {
-        lab: [_measure(lab, _run(lab, s, args.out, args.rounds, force)) for s in args.seeds] for lab in labels
+        lab: [_measure(lab, _run(lab, s, args.out, args.rounds, force, base)) for s in args.seeds]
+        for lab in labels
     }
     c8 = (
-        [motivation(_run_dir(args.out, "high/fedavg", s), s) for s in args.seeds]
+        [motivation(_run_dir(args.out, "high/fedavg", s), s, base) for s in args.seeds]
         if "C8" in args.checks
         else []
     )

@@ -462,9 +462,9 @@ def run_block(block: Block, out: Path, seeds: tuple[int, ...], rounds: int | Non
     return (out / block.table).read_text().rstrip()
 
 
-def _worker_init(initializer: Callable[..., None] | None, initargs: tuple[Any, ...]) -> None:
+def _worker_init() -> None:
     """A pool worker's set-up: one torch thread (two workers already fill two cores), die with the
-    parent, then the script's own initializer."""
+    parent."""
     if sys.platform == "linux":  # PR_SET_PDEATHSIG: SIGTERM when the process that spawned us dies
         import ctypes
         import signal
@@ -473,13 +473,9 @@ def _worker_init(initializer: Callable[..., None] | None, initargs: tuple[Any, .
     import torch
 
     torch.set_num_threads(1)
-    if initializer is not None:
-        initializer(*initargs)
 
 
-def worker_pool(
-    jobs: int, initializer: Callable[..., None] | None = None, initargs: tuple[Any, ...] = ()
-) -> ProcessPoolExecutor:
+def worker_pool(jobs: int) -> ProcessPoolExecutor:
     """The process pool of an experiment script's ``--jobs``.
 
     Why spawn and a death signal: the parent has imported torch (forking it is unsafe), and a
@@ -488,21 +484,18 @@ def worker_pool(
     checksum another process's write had changed). Killing the parent now ends its workers.
     """
     ctx = multiprocessing.get_context("spawn")
-    setup = (initializer, initargs)
-    return ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_worker_init, initargs=setup)
+    return ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_worker_init)
 
 
 def run_in_pool(
     jobs: int,
     fn: Callable[..., Any],
     calls: list[tuple[str, tuple[Any, ...]]],
-    initializer: Callable[..., None] | None = None,
-    initargs: tuple[Any, ...] = (),
 ) -> list[Any]:
     """``fn(*args)`` for every ``(name, args)`` of ``calls``, ``jobs`` at a time in a
     :func:`worker_pool`; the results in the calls' order, each call's name printed as it finishes.
     A failed call cancels the queue and raises at once, not after every other run."""
-    with worker_pool(jobs, initializer, initargs) as pool:
+    with worker_pool(jobs) as pool:
         futures = [pool.submit(fn, *args) for _, args in calls]
         results = []
         try:
