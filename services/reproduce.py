@@ -188,6 +188,13 @@ REPRODUCTIONS: dict[str, Reproduction] = {
                 ("grid", "hermes-fashion-table2"),
                 configs=("experiments/hermes_fashion.yaml",),
             ),
+            Block(
+                "hermes-results-fashion-noisy",
+                "services/reproduce.py",
+                ("grid", "hermes-fashion-noisy"),
+                configs=("experiments/hermes_fashion.yaml",),
+                pending="new block",
+            ),
         ),
     ),
     "spafl": Reproduction(
@@ -805,6 +812,43 @@ GRIDS: dict[str, Grid] = {
                 "hermes",
                 "fedavg",
                 max_ratio=0.55,
+            ),
+        ),
+        metric="personal",
+        inherit_options=True,
+    ),
+    # check 1 and check 2's noisy bound where the spec states them: the *noisy* variant (feature noise
+    # N(0, 0.5²) on every image, train and test, as `experiments/hermes_digits_noisy.yaml` on digits;
+    # both datasets' features are in [0, 1]). Why: on clean 2-class tasks local training alone is
+    # nearly perfect, so there is no personalisation gain to measure — the reason the spec's check 1
+    # is stated on the noisy variant
+    "hermes-fashion-noisy": Grid(
+        config="experiments/hermes_fashion.yaml",
+        setting=(
+            "Fashion-MNIST with feature noise N(0, 0.5²) on train and test (the noisy variant of the "
+            "spec's §8.1, as on digits; `dataset.feature_noise_std: 0.5`), otherwise the `hermes-fashion` "
+            "setting: the first 3,000 training images, `lenet5_fmnist`, 30 devices with 2 classes each "
+            "(60 % of a device's samples its own test split), 10 per round, 100 rounds, the spec's §8.1 "
+            "hyper-parameters"
+        ),
+        variants=tuple(
+            Variant(label, algo, opts, overrides=(("dataset.feature_noise_std", 0.5),))
+            for label, algo, opts in (
+                ("hermes", "hermes", ()),
+                ("fedavg", "fedavg", ()),
+                ("standalone-50ep", "standalone", (("max_epochs", 50),)),
+            )
+        ),
+        checks=(
+            Check("1 noisy: Hermes ≥ FedAvg's global model + 20 points", "hermes", "fedavg", margin=20.0),
+            Check(
+                "1 noisy: Hermes ≥ Standalone (50 epochs) + 3 points", "hermes", "standalone-50ep", margin=3.0
+            ),
+            Check(
+                "2 noisy: Hermes up+down ≤ 0.80 × FedAvg's (the noisy-data bound)",
+                "hermes",
+                "fedavg",
+                max_ratio=0.80,
             ),
         ),
         metric="personal",
