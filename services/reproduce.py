@@ -193,7 +193,6 @@ REPRODUCTIONS: dict[str, Reproduction] = {
                 "services/reproduce.py",
                 ("grid", "hermes-fashion-noisy"),
                 configs=("experiments/hermes_fashion.yaml",),
-                pending="new block",
             ),
         ),
     ),
