@@ -319,6 +319,13 @@ REPRODUCTIONS: dict[str, Reproduction] = {
                 rounds_flag=False,
                 configs=("experiments/fedmef_fashion_lenet.yaml", "experiments/fedtiny_fashion_lenet.yaml"),
             ),
+            Block(
+                "fedmef-results-fashion-batch1",
+                "services/reproduce.py",
+                ("grid", "fedmef-fashion-batch1", "--jobs", "2"),
+                configs=("experiments/fedmef_fashion_lenet.yaml", "experiments/fedtiny_fashion_lenet.yaml"),
+                pending="new block",
+            ),
             # check 7 in Theorem 1's setting (no biases), on both datasets: FedMef with and without
             # NSConv (6 runs each)
             Block(
@@ -912,6 +919,31 @@ GRIDS: dict[str, Grid] = {
         checks=(Check("6 batch size 1: FedMef (NSConv) ≥ FedTiny (BN)", "fedmef-b1", "fedtiny-b1"),),
         inherit_options=True,
     ),
+    # check 6 on Fashion-MNIST: the configs of the block fedmef-results-fashion at batch size 1. Why a
+    # grid of its own: at batch 1 a run makes 16x the SGD steps (~20 min of CPU for FedMef), so it runs
+    # two at a time
+    "fedmef-fashion-batch1": Grid(
+        config="experiments/fedmef_fashion_lenet.yaml",
+        setting=(
+            "Fashion-MNIST (the first 6,000 training images), `lenet5_fmnist`, 20 devices (Dirichlet "
+            "α = 0.5, ≥ 5 training samples each), all 20 per round, 40 rounds, density 0.1, ΔR = 4, "
+            "R_stop = 24, E = 2, η_0 = 0.3 with decay 0.95 — `experiments/fedmef_fashion_lenet.yaml` "
+            "(FedMef: NSConv, no BN) and `experiments/fedtiny_fashion_lenet.yaml` (FedTiny: BN), the "
+            "configs of the block "
+            "`fedmef-results-fashion` — with the local batch size 1 instead of 16"
+        ),
+        variants=(
+            Variant("fedmef-b1", "fedmef", overrides=(("train.batch_size", 1),)),
+            Variant(
+                "fedtiny-b1",
+                "fedtiny",
+                overrides=(("train.batch_size", 1),),
+                config="experiments/fedtiny_fashion_lenet.yaml",
+            ),
+        ),
+        checks=(Check("6 batch size 1: FedMef (NSConv) ≥ FedTiny (BN)", "fedmef-b1", "fedtiny-b1"),),
+        inherit_options=True,
+    ),
     "embracingfl-fashion": Grid(
         config="experiments/embracingfl_fashion.yaml",
         setting=(
@@ -1082,18 +1114,32 @@ def _fmt(values: list[float]) -> str:
     return f"{statistics.fmean(values):.1f} ± {sd:.1f} ({' / '.join(f'{v:.1f}' for v in values)})"
 
 
-def run_grid(name: str, seeds: tuple[int, ...], out: Path, rounds: int | None) -> str:
-    """Run every variant of grid ``name`` over ``seeds`` (finished runs reused); return its table."""
+def _grid_run(name: str, label: str, seed: int, out: Path, rounds: int | None) -> Path:
+    """One run of grid ``name``'s variant ``label`` (a finished run is reused); its directory."""
     from services.orchestrator import run_inproc_once
     from shared.config import parse_config
 
     grid = GRIDS[name]
+    variant = next(v for v in grid.variants if v.label == label)
+    cfg = _variant_config(grid, variant, seed, rounds)
+    run_dir = out / f"{variant.label.replace('/', '-')}-s{seed}"
+    run_inproc_once(parse_config(cfg, cfg["name"]), run_dir, cfg["name"])
+    return run_dir
+
+
+def run_grid(name: str, seeds: tuple[int, ...], out: Path, rounds: int | None, jobs: int = 1) -> str:
+    """Run every variant of grid ``name`` over ``seeds`` (finished runs reused), ``jobs`` at a time;
+    return its table."""
+    grid = GRIDS[name]
+    if jobs > 1:  # independent runs: make them in a pool first, the loop below then reuses them
+        calls = [
+            (f"{v.label} seed {s}", (name, v.label, s, out, rounds)) for v in grid.variants for s in seeds
+        ]
+        run_in_pool(jobs, _grid_run, calls)
     res: dict[str, list[dict[str, float]]] = {}
     for variant in grid.variants:
         for seed in seeds:
-            cfg = _variant_config(grid, variant, seed, rounds)
-            run_dir = out / f"{variant.label.replace('/', '-')}-s{seed}"
-            run_inproc_once(parse_config(cfg, cfg["name"]), run_dir, cfg["name"])
+            run_dir = _grid_run(name, variant.label, seed, out, rounds)
             res.setdefault(variant.label, []).append(_measure(run_dir, grid.metric))
     n_rounds = rounds if rounds is not None else _variant_config(grid, grid.variants[0], 0, None)["rounds"]
     personal = grid.metric == "personal"
@@ -1184,9 +1230,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--rounds", type=int)
+    ap.add_argument(
+        "--jobs", type=int, default=1, help="runs at once (spawned workers, one torch thread each)"
+    )
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    table = run_grid(args.name, tuple(args.seeds), args.out, args.rounds)
+    table = run_grid(args.name, tuple(args.seeds), args.out, args.rounds, args.jobs)
     (args.out / "table.md").write_text(table + "\n")
     return 0
 

@@ -88,3 +88,13 @@ def test_a_killed_parent_takes_its_workers_with_it() -> None:
         raise AssertionError(f"worker {worker} outlived its killed parent")
     finally:
         parent.kill()
+
+
+def test_grid_parallel_runs_equal_sequential_ones(tmp_path: Path) -> None:
+    """``services/reproduce.py grid --jobs 2`` makes the same runs, hence the same table, as one at a time."""
+    from services.reproduce import run_grid
+
+    parallel = run_grid("fedmef-batch1", (0,), tmp_path / "two", 1, jobs=2)
+    sequential = run_grid("fedmef-batch1", (0,), tmp_path / "one", 1)
+    assert parallel == sequential
+    assert {p.name for p in (tmp_path / "two").iterdir()} == {"fedmef-b1-s0", "fedtiny-b1-s0"}
