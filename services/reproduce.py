@@ -334,7 +334,6 @@ REPRODUCTIONS: dict[str, Reproduction] = {
                 ("--groups", "nsconv", "--workers", "2"),
                 rounds_flag=False,
                 configs=("experiments/fedmef_digits.yaml",),
-                pending="new block",
             ),
             Block(
                 "fedmef-results-fashion-nsconv",
@@ -342,7 +341,6 @@ REPRODUCTIONS: dict[str, Reproduction] = {
                 ("--setting", "fashion", "--groups", "nsconv", "--workers", "2"),
                 rounds_flag=False,
                 configs=("experiments/fedmef_fashion_lenet.yaml",),
-                pending="new block",
             ),
         ),
         baselines=("fedtiny", "feddst"),
