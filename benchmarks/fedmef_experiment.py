@@ -209,7 +209,7 @@ def input_mean_spread(model: torch.nn.Module, layer: str, x: np.ndarray) -> floa
     try:
         model.eval()
         with torch.no_grad():
-            model(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)))
+            model(torch.tensor(x, dtype=torch.float32))  # a copy: x may be a read-only memory map
     finally:
         h.remove()
     means = found[0].double().mean(0).flatten()

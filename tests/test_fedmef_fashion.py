@@ -57,8 +57,9 @@ def test_fedmef_trains_lenet5_with_nsconv_and_pruned_caches() -> None:
     task = s.plan(state, 1, [0], {})[0]
     assert s.task_footprint(task).total > 0
     model = s.load_model(state)
-    x = torch.from_numpy(np.ascontiguousarray(exp.dataset.x_test[:16], dtype=np.float32))
-    loss = torch.nn.functional.cross_entropy(model(x), torch.from_numpy(exp.dataset.y_test[:16]).long())
+    x = torch.tensor(exp.dataset.x_test[:16], dtype=torch.float32)  # a copy: the data is read-only
+    y = torch.tensor(exp.dataset.y_test[:16], dtype=torch.long)
+    loss = torch.nn.functional.cross_entropy(model(x), y)
     loss.backward()
     grads = [p.grad for n, p in model.named_parameters() if n == "conv2.weight"]
     assert grads and grads[0] is not None and torch.isfinite(grads[0]).all()

@@ -146,7 +146,7 @@ def conv_output_stats(model: nn.Module, layer: str, x: np.ndarray) -> tuple[floa
     try:
         model.eval()
         with torch.no_grad():
-            model(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)))
+            model(torch.tensor(x, dtype=torch.float32))  # a copy: x may be a read-only memory map
     finally:
         h.remove()
     out = found[0].transpose(0, 1).reshape(found[0].shape[1], -1).double()
