@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from services.reproduce import ROOT
 
 # imported by name, as services/reproduce.py does: mypy sees benchmarks/ as top-level scripts
@@ -90,11 +92,15 @@ def test_a_killed_parent_takes_its_workers_with_it() -> None:
         parent.kill()
 
 
-def test_grid_parallel_runs_equal_sequential_ones(tmp_path: Path) -> None:
-    """``services/reproduce.py grid --jobs 2`` makes the same runs, hence the same table, as one at a time."""
+def test_grid_parallel_runs_equal_sequential_ones(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """``services/reproduce.py grid --jobs 2`` makes the same runs, hence the same table, as one at a
+    time, and its table pass reuses the pool's runs rather than making them again."""
     from services.reproduce import run_grid
 
     parallel = run_grid("fedmef-batch1", (0,), tmp_path / "two", 1, jobs=2)
+    # every run made prints "  <config name>: <seconds>s" (run_inproc_once), workers included
+    made = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("  ") and ln.endswith("s")]
+    assert len(made) == 2, made
     sequential = run_grid("fedmef-batch1", (0,), tmp_path / "one", 1)
     assert parallel == sequential
-    assert {p.name for p in (tmp_path / "two").iterdir()} == {"fedmef-b1-s0", "fedtiny-b1-s0"}
+    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == ["fedmef-b1-s0", "fedtiny-b1-s0"]
