@@ -918,8 +918,8 @@ GRIDS: dict[str, Grid] = {
         inherit_options=True,
     ),
     # check 6 on Fashion-MNIST: the configs of the block fedmef-results-fashion at batch size 1. Why a
-    # grid of its own: at batch 1 a run makes 16x the SGD steps (~20 min of CPU for FedMef), so it runs
-    # two at a time
+    # grid of its own: at batch 1 a run makes 16x the SGD steps (a FedMef run took 25-30 min, two at a
+    # time, on 2 cores), so it runs two at a time
     "fedmef-fashion-batch1": Grid(
         config="experiments/fedmef_fashion_lenet.yaml",
         setting=(
