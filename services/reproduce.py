@@ -324,7 +324,6 @@ REPRODUCTIONS: dict[str, Reproduction] = {
                 "services/reproduce.py",
                 ("grid", "fedmef-fashion-batch1", "--jobs", "2"),
                 configs=("experiments/fedmef_fashion_lenet.yaml", "experiments/fedtiny_fashion_lenet.yaml"),
-                pending="new block",
             ),
             # check 7 in Theorem 1's setting (no biases), on both datasets: FedMef with and without
             # NSConv (6 runs each)
