@@ -733,6 +733,23 @@ def _efl_tiers(strong: int, moderate: int, weak: int, weak_memory: float = 0.40)
     return {k: {"count": n, "memory_fraction": m, **link} for k, (n, m) in counts.items() if n}
 
 
+def _batch1_grid(fedmef_config: str, fedtiny_config: str, setting: str) -> Grid:
+    """FedMef's check 6 (the paper's Fig. 5 left, "optional") on a setting: FedMef and FedTiny from
+    their own configs with the local batch size 1, where BatchNorm's batch statistics degenerate and
+    NSConv (per-sample normalisation of the weights) should not."""
+    batch1 = (("train.batch_size", 1),)
+    return Grid(
+        config=fedmef_config,
+        setting=setting,
+        variants=(
+            Variant("fedmef-b1", "fedmef", overrides=batch1),
+            Variant("fedtiny-b1", "fedtiny", overrides=batch1, config=fedtiny_config),
+        ),
+        checks=(Check("6 batch size 1: FedMef (NSConv) ≥ FedTiny (BN)", "fedmef-b1", "fedtiny-b1"),),
+        inherit_options=True,
+    )
+
+
 _HOMO = (("capacity", "fixed"), ("fixed_rate", 0.25))
 GRIDS: dict[str, Grid] = {
     "feddse-fashion": Grid(
@@ -894,52 +911,26 @@ GRIDS: dict[str, Grid] = {
         inherit_options=True,
         inference="hermes-r0.3",
     ),
-    # FedMef's check 6 (the paper's Fig. 5 left, "optional"): batch size 1, where BatchNorm's batch
-    # statistics degenerate and NSConv (per-sample normalisation of the weights) should not
-    "fedmef-batch1": Grid(
-        config="experiments/fedmef_digits.yaml",
-        setting=(
-            "Digits, TinyCNN, 20 devices (Dirichlet α = 0.5, ≥ 5 training samples each), all 20 per "
-            "round, 40 rounds, density 0.1, ΔR = 4, R_stop = 24, E = 2, η_0 = 0.3 with decay 0.95 — "
-            "`experiments/fedmef_digits.yaml` (FedMef: NSConv, no BN) and `experiments/fedtiny_digits.yaml` "
-            "(FedTiny: BN), the configs of the main block — with the local batch size 1 instead of 16"
-        ),
-        variants=(
-            Variant("fedmef-b1", "fedmef", overrides=(("train.batch_size", 1),)),
-            Variant(
-                "fedtiny-b1",
-                "fedtiny",
-                overrides=(("train.batch_size", 1),),
-                config="experiments/fedtiny_digits.yaml",
-            ),
-        ),
-        checks=(Check("6 batch size 1: FedMef (NSConv) ≥ FedTiny (BN)", "fedmef-b1", "fedtiny-b1"),),
-        inherit_options=True,
+    # FedMef's check 6 on digits (see _batch1_grid)
+    "fedmef-batch1": _batch1_grid(
+        "experiments/fedmef_digits.yaml",
+        "experiments/fedtiny_digits.yaml",
+        "Digits, TinyCNN, 20 devices (Dirichlet α = 0.5, ≥ 5 training samples each), all 20 per "
+        "round, 40 rounds, density 0.1, ΔR = 4, R_stop = 24, E = 2, η_0 = 0.3 with decay 0.95 — "
+        "`experiments/fedmef_digits.yaml` (FedMef: NSConv, no BN) and `experiments/fedtiny_digits.yaml` "
+        "(FedTiny: BN), the configs of the main block — with the local batch size 1 instead of 16",
     ),
     # check 6 on Fashion-MNIST: the configs of the block fedmef-results-fashion at batch size 1. Why a
     # grid of its own: at batch 1 a run makes 16x the SGD steps (a FedMef run took 25-30 min, two at a
     # time, on 2 cores), so it runs two at a time
-    "fedmef-fashion-batch1": Grid(
-        config="experiments/fedmef_fashion_lenet.yaml",
-        setting=(
-            "Fashion-MNIST (the first 6,000 training images), `lenet5_fmnist`, 20 devices (Dirichlet "
-            "α = 0.5, ≥ 5 training samples each), all 20 per round, 40 rounds, density 0.1, ΔR = 4, "
-            "R_stop = 24, E = 2, η_0 = 0.3 with decay 0.95 — `experiments/fedmef_fashion_lenet.yaml` "
-            "(FedMef: NSConv, no BN) and `experiments/fedtiny_fashion_lenet.yaml` (FedTiny: BN), the "
-            "configs of the block "
-            "`fedmef-results-fashion` — with the local batch size 1 instead of 16"
-        ),
-        variants=(
-            Variant("fedmef-b1", "fedmef", overrides=(("train.batch_size", 1),)),
-            Variant(
-                "fedtiny-b1",
-                "fedtiny",
-                overrides=(("train.batch_size", 1),),
-                config="experiments/fedtiny_fashion_lenet.yaml",
-            ),
-        ),
-        checks=(Check("6 batch size 1: FedMef (NSConv) ≥ FedTiny (BN)", "fedmef-b1", "fedtiny-b1"),),
-        inherit_options=True,
+    "fedmef-fashion-batch1": _batch1_grid(
+        "experiments/fedmef_fashion_lenet.yaml",
+        "experiments/fedtiny_fashion_lenet.yaml",
+        "Fashion-MNIST (the first 6,000 training images), `lenet5_fmnist`, 20 devices (Dirichlet "
+        "α = 0.5, ≥ 5 training samples each), all 20 per round, 40 rounds, density 0.1, ΔR = 4, "
+        "R_stop = 24, E = 2, η_0 = 0.3 with decay 0.95 — `experiments/fedmef_fashion_lenet.yaml` "
+        "(FedMef: NSConv, no BN) and `experiments/fedtiny_fashion_lenet.yaml` (FedTiny: BN), the "
+        "configs of the block `fedmef-results-fashion` — with the local batch size 1 instead of 16",
     ),
     "embracingfl-fashion": Grid(
         config="experiments/embracingfl_fashion.yaml",
