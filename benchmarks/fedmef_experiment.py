@@ -51,7 +51,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,7 +59,7 @@ sys.path.insert(0, str(ROOT))
 from services.orchestrator import run_inproc_once  # noqa: E402
 from shared.algorithms.base import ServerState  # noqa: E402
 from shared.algorithms.dynamic_pruning import DynamicPruning  # noqa: E402
-from shared.algorithms.fedmef import conv_output_stats  # noqa: E402
+from shared.algorithms.fedmef import conv_output_stats, input_mean_spread  # noqa: E402
 from shared.config import parse_config  # noqa: E402
 from shared.experiment import Experiment  # noqa: E402
 from shared.models.dynamic_sparse import memory_model  # noqa: E402
@@ -198,24 +197,6 @@ def _measure(label: str, run_dir: Path) -> dict[str, Any]:
     # post-pruning drop without the first adjustment (the digits runs' drop is dominated by it)
     out["post_prune_drop_later"] = float(np.mean(drops[1:])) if len(drops) > 1 else None
     return out
-
-
-def input_mean_spread(model: torch.nn.Module, layer: str, x: np.ndarray) -> float:
-    """Theorem 1's other assumption, measured: ``layer``'s input coordinates (channel × position) on
-    ``x`` should share one mean μ_f, so that a filter whose weights sum to 0 has outputs of mean 0.
-    Returns the coefficient of variation (std / mean) of the per-coordinate input means: 0 when the
-    assumption holds; with it > 0 a zero-sum filter still has a mean of Σ_j Ŵ_j (E[x_j] − μ̄)."""
-    found: list[torch.Tensor] = []
-    mod = dict(model.named_modules())[layer]
-    h = mod.register_forward_hook(lambda m, i, o: found.append(i[0].detach()))
-    try:
-        model.eval()
-        with torch.no_grad():
-            model(torch.tensor(x, dtype=torch.float32))  # a copy: x may be a read-only memory map
-    finally:
-        h.remove()
-    means = found[0].double().mean(0).flatten()
-    return float(means.std() / means.mean().abs().clamp_min(1e-30))
 
 
 def _paper_memory(setting: str = "digits") -> dict[str, Any]:

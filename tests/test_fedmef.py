@@ -360,3 +360,25 @@ def test_sparse_init_fan_in_scales_the_initial_sparse_weights_only(tmp_path: Pat
         np.testing.assert_array_equal(a[name], (dense[name] * m).astype(np.float32))
         np.testing.assert_array_equal(b[name], fan_in_scaled(dense[name], m))
         assert np.abs(b[name]).sum() > np.abs(a[name]).sum()
+
+
+def test_check7_statistics_see_a_dead_filter_and_a_shared_input_mean() -> None:
+    """``conv_output_stats`` counts a constant output channel as dead instead of dividing by 0, and
+    ``input_mean_spread`` is 0 exactly when every input coordinate has the same mean (Theorem 1's
+    assumption) and positive when they differ."""
+    import torch
+
+    from shared.algorithms.fedmef import conv_output_stats, input_mean_spread
+
+    conv = torch.nn.Conv2d(1, 2, 3, padding=1, bias=False)
+    with torch.no_grad():
+        conv.weight[1].zero_()  # channel 1: constant output
+    model = torch.nn.Sequential(conv)
+    rng = np.random.default_rng(0)
+    x = rng.random((64, 1, 6, 6), dtype=np.float32)
+    ratio, dead = conv_output_stats(model, "0", x)
+    assert dead == 1 and np.isfinite(ratio)
+    same = np.broadcast_to(rng.random((64, 1, 1, 1), dtype=np.float32), (64, 1, 6, 6))
+    assert input_mean_spread(model, "0", same) == pytest.approx(0.0, abs=1e-6)
+    ramp = same * np.linspace(0.5, 1.5, 36, dtype=np.float32).reshape(1, 1, 6, 6)
+    assert input_mean_spread(model, "0", ramp) > 0.1

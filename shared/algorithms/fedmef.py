@@ -133,6 +133,21 @@ class FedMef(DynamicPruning):
         return metrics
 
 
+def layer_io(model: nn.Module, layer: str, x: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """``layer``'s input and output for the batch ``x``, the model in eval mode and without grad
+    (the statistics of check 7 are about the trained model as it would be used)."""
+    found: list[tuple[torch.Tensor, torch.Tensor]] = []
+    mod = dict(model.named_modules())[layer]
+    h = mod.register_forward_hook(lambda m, i, o: found.append((i[0].detach(), o.detach())))
+    try:
+        model.eval()
+        with torch.no_grad():
+            model(torch.tensor(x, dtype=torch.float32))  # a copy: x may be a read-only memory map
+    finally:
+        h.remove()
+    return found[0]
+
+
 def conv_output_stats(model: nn.Module, layer: str, x: np.ndarray) -> tuple[float, int]:
     """Check 7 (Fig. 3): mean over live channels of |mean| / std of ``layer``'s outputs on ``x``.
 
@@ -140,17 +155,19 @@ def conv_output_stats(model: nn.Module, layer: str, x: np.ndarray) -> tuple[floa
     or one whose standardised weights vanish, §9.11) has std 0 and no defined ratio; it is counted
     as dead instead of dividing by 0.
     """
-    found: list[torch.Tensor] = []
-    mod = dict(model.named_modules())[layer]
-    h = mod.register_forward_hook(lambda m, i, o: found.append(o.detach()))
-    try:
-        model.eval()
-        with torch.no_grad():
-            model(torch.tensor(x, dtype=torch.float32))  # a copy: x may be a read-only memory map
-    finally:
-        h.remove()
-    out = found[0].transpose(0, 1).reshape(found[0].shape[1], -1).double()
+    _, o = layer_io(model, layer, x)
+    out = o.transpose(0, 1).reshape(o.shape[1], -1).double()
     mean, std = out.mean(1), out.std(1)
     live = std > 1e-6 * float(std.max().clamp_min(1e-30))
     ratio = (mean[live].abs() / std[live]).mean()
     return float(ratio), int((~live).sum())
+
+
+def input_mean_spread(model: nn.Module, layer: str, x: np.ndarray) -> float:
+    """Theorem 1's other assumption, measured: ``layer``'s input coordinates (channel × position) on
+    ``x`` should share one mean μ_f, so that a filter whose weights sum to 0 has outputs of mean 0.
+    Returns the coefficient of variation (std / mean) of the per-coordinate input means: 0 when the
+    assumption holds; with it > 0 a zero-sum filter still has a mean of Σ_j Ŵ_j (E[x_j] − μ̄)."""
+    i, _ = layer_io(model, layer, x)
+    means = i.double().mean(0).flatten()
+    return float(means.std() / means.mean().abs().clamp_min(1e-30))
