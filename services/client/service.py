@@ -154,6 +154,8 @@ class Client(ServiceBase):
         self.held_dir = state_dir / "held"
         shutil.rmtree(self.held_dir, ignore_errors=True)
         self._held_seq = 0
+        #: the newest round a ``go`` came for (held updates of older rounds were discarded then)
+        self._go_round = -1
         #: the newest round's payloads, decoded (digest → tensors), and tasks waiting for one
         self.payloads: dict[bytes, dict[str, Any]] = {}
         #: payload digest → the digest of its tensors' layout (an update shaped like its task's
@@ -579,7 +581,9 @@ class Client(ServiceBase):
         data = body(update_msg(up_s))
         if self.ready_protocol:
             slot = (env.inc, env.round, dev)
-            self._discard_held(lambda k: k == slot)  # a redelivered task's earlier answer: replaced
+            earlier = self.held.pop(slot, None)  # a redelivered task's earlier answer: replaced
+            if earlier is not None:
+                earlier.path.unlink(missing_ok=True)
             self.held[slot] = _Held(self._hold(data), dense, up_s, device)
             ready = Ready(device_id=dev, finish_s=down_s + compute_s + up_s, update_bytes=size)
             self._notify(env, msg, ready, Kind.READY, d)
@@ -658,5 +662,9 @@ class Client(ServiceBase):
                 self._upload(held.path.read_bytes(), held.dense_bytes, held.device, held.upload_s, d)
             held.path.unlink(missing_ok=True)
         self.ack_unless_queued(d)
-        # forget anything older than this round (a round can be abandoned by a server restart)
-        self._discard_held(lambda key: key[1] < env.round)
+        # forget anything older than this round (a round can be abandoned by a server restart):
+        # scanned once per round, not per ``go`` (a host holds hundreds of updates at 10,000
+        # devices, and a scan per ``go`` made the round's goes quadratic)
+        if env.round > self._go_round:
+            self._go_round = env.round
+            self._discard_held(lambda key: key[1] < env.round)
