@@ -1,9 +1,9 @@
-"""Run every benchmark (codec, envelope, rounds, transfer, broker) and write one markdown report.
+"""Run every benchmark (codec, envelope, recv, rounds, transfer, broker) and write one markdown report.
 
 ``make bench`` calls this.
 
 Usage: ``python benchmarks/run_all.py --out benchmarks/results.md
-[--only codec envelope rounds transfer broker] [--rounds 12] [--clients 2] [--aggregators 1]
+[--only codec envelope recv rounds transfer broker] [--rounds 12] [--clients 2] [--aggregators 1]
 [--runs-dir runs]``.
 
 Why one report that starts with its own provenance: benchmark numbers are only comparable with the
@@ -41,10 +41,11 @@ for path in (str(REPO), str(BENCH_DIR)):  # the bench modules, and `shared` from
 import bench_broker  # noqa: E402
 import bench_codec  # noqa: E402
 import bench_envelope  # noqa: E402
+import bench_recv  # noqa: E402
 import bench_rounds  # noqa: E402
 import bench_transfer  # noqa: E402
 
-BENCHMARKS = ("codec", "envelope", "rounds", "transfer", "broker")
+BENCHMARKS = ("codec", "envelope", "recv", "rounds", "transfer", "broker")
 
 
 def _redact(url: str) -> str:
@@ -133,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = {
         "codec": 1,
         "envelope": 1,
+        "recv": 1,
         "rounds": bench_rounds.step_count((10, 50), bench_rounds.TRANSPORTS),
         "transfer": bench_transfer.step_count(),
         "broker": bench_broker.step_count(),
@@ -141,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     def _envelope(say: Callable[[str], None]) -> str:
         say("envelope: every message of every algorithm")
         return bench_envelope.run(2)
+
+    def recv(say: Callable[[str], None]) -> str:
+        say("recv: pika's socket reads")
+        return bench_recv.run(3)
 
     def codec(say: Callable[[str], None]) -> str:
         say("codec: encode/decode throughput")
@@ -152,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             "Message overhead by algorithm and kind",
             lambda say: _envelope(say),
         ),
+        "recv": ("Reading large messages", recv),
         "rounds": (
             "Round wall time vs the compute floor",
             lambda say: bench_rounds.run(

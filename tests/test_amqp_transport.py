@@ -21,7 +21,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from shared.transport import BrokerUnavailable, Delivery, Unroutable
-from shared.transport.amqp import AmqpTransport, BrokerOptions, queue_arguments
+from shared.transport.amqp import RECV_BYTES, AmqpTransport, BrokerOptions, queue_arguments
 from shared.transport.urls import redact
 from tests.conftest import write_config
 
@@ -77,6 +77,26 @@ def test_publish_consume_ack_and_multicast(broker_url: str, experiment_id: str) 
         assert not any(d.redelivered for d in got1 + got2)
     finally:
         t.delete_experiment([f"ff.{experiment_id}.q1", f"ff.{experiment_id}.q2"])
+        t.close()
+
+
+def test_large_messages_arrive_whole_read_in_large_chunks(broker_url: str, experiment_id: str) -> None:
+    """pika reads the socket up to ``RECV_BYTES`` at a time (``_read_in_large_chunks``): messages
+    larger than a frame and than one read, and small ones between them, arrive byte for byte."""
+    import pika.adapters.utils.io_services_utils as io
+
+    assert io._AsyncTransportBase._MAX_RECV_BYTES == RECV_BYTES > 4096
+    t = AmqpTransport(broker_url, experiment_id)
+    try:
+        t.declare_queue(f"ff.{experiment_id}.big", ["k"])
+        got: list[Delivery] = []
+        t.consume(f"ff.{experiment_id}.big", _keep(got), prefetch=8)
+        bodies = [os.urandom(n) for n in (3 * RECV_BYTES // 2, 17, 438_000, 131_072, 1)]
+        assert t.publish_many([("k", b) for b in bodies]) == set()
+        _drain(t, got, len(bodies), timeout=15.0)
+        assert [d.body for d in got] == bodies
+    finally:
+        t.delete_experiment([f"ff.{experiment_id}.big"])
         t.close()
 
 

@@ -67,6 +67,7 @@ import pika
 import pika.exceptions
 import pika.frame
 from pika.adapters.blocking_connection import BlockingChannel
+from pika.adapters.utils.io_services_utils import _AsyncTransportBase
 from pika.spec import Basic, BasicProperties
 
 from shared import metrics
@@ -182,6 +183,27 @@ def _ack_unflushed(chan: BlockingChannel, tag: int) -> None:
     not get: the message is delivered again, exactly as after a crash just before the ack.
     """
     chan._impl.basic_ack(delivery_tag=tag)
+
+
+#: bytes pika asks the socket for per read (pika's own default: 4,096)
+RECV_BYTES = 1 << 20
+
+
+def _read_in_large_chunks() -> None:
+    """Make pika read its sockets up to :data:`RECV_BYTES` at a time instead of 4 KiB.
+
+    Why: pika appends every read to its frame buffer (a ``bytes`` concatenation, a copy of the
+    whole partial frame) and tries to parse a frame after each, so a 438 KB update (a
+    ``fleet_2000`` phone's model) took ~107 reads, each copying up to a 128 KiB frame. Measured with
+    ``python benchmarks/bench_recv.py`` (benchmarks/results.md, "Reading large messages"): the
+    consumer's CPU per 438 KB message falls from ~1.8 ms to ~0.7 ms; small messages cost the same.
+    At 10,000 devices an aggregator reads ~500 such updates a round. pika is pinned below 2 in
+    ``pyproject.toml``; this private attribute is checked by ``tests/test_amqp_transport.py``.
+    """
+    _AsyncTransportBase._MAX_RECV_BYTES = RECV_BYTES
+
+
+_read_in_large_chunks()
 
 
 class AmqpTransport(Transport):
