@@ -12,12 +12,15 @@ import json
 import logging
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import yaml
+from hypothesis import given
+from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
 from services.orchestrator import InprocCluster
@@ -26,6 +29,7 @@ from services.server.checkpoint import Checkpoint, CheckpointError
 from shared.algorithms.base import ServerState
 from shared.config import BoundsConfig, ConfigError, RobustConfig, TrainConfig, load_config
 from shared.experiment import Experiment
+from shared.results import DeviceStats, device_row
 from tests.conftest import write_config
 
 
@@ -257,3 +261,21 @@ def test_inf_in_the_environment_settings_is_one_clear_error(
         _settings()
     assert exit_.value.code == 2
     assert "environment: 'linger_s': Input should be a finite number" in capsys.readouterr().err
+
+
+@given(
+    st.builds(
+        DeviceStats,
+        device_id=st.integers(0, 10**6),
+        tier=st.text(max_size=8),
+        selected=st.integers(0, 1000),
+        bytes_up=st.integers(0, 2**40),
+        virtual_seconds=st.floats(allow_nan=True),
+        eval_accuracy=st.none() | st.floats(0, 1),
+    )
+)
+def test_device_row_is_asdict_without_the_copy(d: DeviceStats) -> None:
+    """The checkpoint's and devices.csv's record of a device: what ``asdict`` gave, key order included."""
+    row, expected = device_row(d), asdict(d)
+    assert list(row) == list(expected)
+    assert json.dumps(row) == json.dumps(expected)  # NaN-safe equality

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from shared.algorithms.device_state import atomic_savez
 from shared.results import (
     DeviceStats,
     compression_ratio,
+    device_row,
     plot_run,
     write_devices,
     write_rounds,
@@ -296,7 +297,7 @@ class RunLedger:
     # -- checkpoint --------------------------------------------------------------------------------
     def to_checkpoint(self) -> dict[str, Any]:
         return {
-            "devices": [asdict(s) for s in self.devices.values()],
+            "devices": [device_row(s) for s in self.devices.values()],
             "rows": self.rows,
             "totals": self.totals,
             "wall_seconds": self.wall_offset + time.time() - self.started,

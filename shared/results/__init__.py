@@ -11,7 +11,7 @@ import csv
 import json
 import math
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +85,13 @@ class DeviceStats:
 DEVICE_COLUMNS = [f.name for f in fields(DeviceStats)]
 
 
+def device_row(d: DeviceStats) -> dict[str, Any]:
+    """``dataclasses.asdict(d)`` for this flat record, without its deep copy of every field: 1.0 µs
+    instead of 18.8 µs here. The server converts the record of every device that has taken part for
+    each round's checkpoint: up to 10,000 records a round at 10,000 devices, ~190 ms with ``asdict``."""
+    return {name: getattr(d, name) for name in DEVICE_COLUMNS}
+
+
 def _fmt(v: Any) -> Any:
     if isinstance(v, float):
         return "" if math.isnan(v) else f"{v:.6g}"
@@ -113,7 +120,7 @@ def write_devices(run_dir: Path, devices: Iterable[DeviceStats], *, in_id_order:
         w = csv.DictWriter(f, fieldnames=DEVICE_COLUMNS)
         w.writeheader()
         for d in rows:
-            w.writerow({k: _fmt(v) for k, v in asdict(d).items()})
+            w.writerow({k: _fmt(v) for k, v in device_row(d).items()})
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
