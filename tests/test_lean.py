@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -335,7 +336,7 @@ def test_held_updates_wait_on_disk_and_go_out_unchanged(
     )
     (tmp_path / "run").mkdir()
     cluster = InprocCluster(Experiment.build(cfg), tmp_path / "run", "held", state_dir=tmp_path / "state")
-    written: dict[Path, bytes] = {}  # each held file's bytes, read while it waited
+    written: dict[Any, bytes] = {}  # each held update's bytes, read while it waited
     uploaded: list[bytes] = []
     publish_raw = ServiceBase.publish_raw
 
@@ -356,7 +357,7 @@ def test_held_updates_wait_on_disk_and_go_out_unchanged(
             for held in client.held.values():
                 fields = vars(held).values()
                 assert not any(isinstance(v, (bytes, bytearray, memoryview)) for v in fields)
-                written.setdefault(held.path, held.path.read_bytes())
+                written.setdefault((client.client_id, held.slot), client.spool.read(held.slot))
 
     monkeypatch.setattr(ServiceBase, "publish_raw", publish)
     monkeypatch.setattr(ServiceBase, "publish_batch", batch)
@@ -369,7 +370,7 @@ def test_held_updates_wait_on_disk_and_go_out_unchanged(
     assert set(uploaded) <= set(written.values())  # sent as written
     assert len(set(uploaded)) == len(uploaded)  # each once
     for client in cluster.clients:  # nothing left behind: sent, discarded, or dropped at the stop
-        assert not client.held and not any(client.held_dir.glob("*"))
+        assert not client.held and client.spool.files() == 0 and not any(client.spool.directory.glob("*"))
 
 
 # -- the server's registry: views made on access ----------------------------------------------------

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.client.spool import Slot, Spool
 from services.common import MessageHandler, ServiceBase, decode_tensors, encode_tensors
 from shared import metrics
 from shared.algorithms.base import DeviceContext, TaskSpec, UpdateSpec, derive_seed
@@ -103,10 +104,11 @@ class _Held:
     Only where its encoded message is: with over-selection a host may hold hundreds of updates until
     the round's ``go`` (issue 16: ~325 of ~437 KB each per host at 10,000 devices, ~142 MB), and
     memory, not disk, is what a constrained host lacks. The bytes are written once and read once,
-    unchanged, so what goes on the wire is exactly what would have been sent from memory.
+    unchanged (``services/client/spool.py``), so what goes on the wire is exactly what would have
+    been sent from memory.
     """
 
-    path: Path
+    slot: Slot
     dense_bytes: int
     upload_s: float
     device: Device
@@ -148,12 +150,10 @@ class Client(ServiceBase):
         #: first-finishers protocol: when on, devices report ``ready`` and upload only on ``go``
         self.ready_protocol = cfg.emulation.over_selection > 1 or cfg.emulation.round_deadline_s is not None
         self.held: dict[tuple[str, int, int], _Held] = {}
-        #: where held updates' bytes wait. Emptied at start: a restarted host has forgotten which
-        #: tasks they answered (as it did when they lived in memory), so the server's ``go`` for one
-        #: finds nothing and that device's update is not sent — never sent twice.
-        self.held_dir = state_dir / "held"
-        shutil.rmtree(self.held_dir, ignore_errors=True)
-        self._held_seq = 0
+        #: where held updates' bytes wait, one file per round. Emptied at start: a restarted host
+        #: has forgotten which tasks they answered (as it did when they lived in memory), so the
+        #: server's ``go`` for one finds nothing and that device's update is not sent — never twice.
+        self.spool = Spool(state_dir / "held")
         #: the newest round a ``go`` came for (held updates of older rounds were discarded then)
         self._go_round = -1
         #: the newest round's payloads, decoded (digest → tensors), and tasks waiting for one
@@ -583,8 +583,8 @@ class Client(ServiceBase):
             slot = (env.inc, env.round, dev)
             earlier = self.held.pop(slot, None)  # a redelivered task's earlier answer: replaced
             if earlier is not None:
-                earlier.path.unlink(missing_ok=True)
-            self.held[slot] = _Held(self._hold(data), dense, up_s, device)
+                self.spool.drop(earlier.slot)
+            self.held[slot] = _Held(self.spool.put(slot[:2], data), dense, up_s, device)
             ready = Ready(device_id=dev, finish_s=down_s + compute_s + up_s, update_bytes=size)
             self._notify(env, msg, ready, Kind.READY, d)
         else:
@@ -640,27 +640,17 @@ class Client(ServiceBase):
         self._notify(env, msg, body, Kind.EVAL_RESULT, d)
         self.ack_unless_queued(d)
 
-    def _hold(self, data: bytes) -> Path:
-        """Write a held update's encoded message to its own file; returns the file.
-
-        Neither atomic nor fsynced: the file is read only by this process, and only after the write
-        returned; after a crash the directory is emptied at start (see ``held_dir``)."""
-        self.held_dir.mkdir(parents=True, exist_ok=True)
-        self._held_seq += 1
-        path = self.held_dir / f"{self._held_seq}.update"
-        path.write_bytes(data)
-        return path
-
     def _discard_held(self, stale: Callable[[tuple[str, int, int]], bool]) -> None:
         for key in [k for k in self.held if stale(k)]:
-            self.held.pop(key).path.unlink(missing_ok=True)
+            self.spool.drop(self.held.pop(key).slot)
 
     def on_go(self, env: Envelope, msg: Go, d: Delivery) -> None:
         held = self.held.pop((env.inc, env.round, msg.device_id), None)
         if held is not None:
             if msg.upload:
-                self._upload(held.path.read_bytes(), held.dense_bytes, held.device, held.upload_s, d)
-            held.path.unlink(missing_ok=True)
+                self._upload(self.spool.take(held.slot), held.dense_bytes, held.device, held.upload_s, d)
+            else:
+                self.spool.drop(held.slot)
         self.ack_unless_queued(d)
         # forget anything older than this round (a round can be abandoned by a server restart):
         # scanned once per round, not per ``go`` (a host holds hundreds of updates at 10,000
