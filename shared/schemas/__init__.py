@@ -507,7 +507,10 @@ MAC_BYTES = 16
 
 def _mac(key: str, v: int, kind: Kind, exp: str, round: int, inc: str, body: bytes, tel: bytes) -> bytes:
     head = f"{v}|{kind.value}|{exp}|{round}|{inc}|{len(body)}|".encode()  # versions 4 and 5 alike
-    return hmac.new(bytes.fromhex(key), head + body + tel, hashlib.sha256).digest()[:MAC_BYTES]
+    mac = hmac.new(bytes.fromhex(key), head, hashlib.sha256)
+    mac.update(body)  # fed in parts, not ``head + body + tel``: no copy of a 438 KB update's body
+    mac.update(tel)
+    return mac.digest()[:MAC_BYTES]
 
 
 def verify(env: Envelope, key: str) -> bool:
