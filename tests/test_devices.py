@@ -18,6 +18,7 @@ from shared.devices import (
     Device,
     DeviceProfile,
     FleetError,
+    LazyFleet,
     TokenBucket,
     VirtualClock,
     admit,
@@ -157,6 +158,28 @@ def test_tier_fractions_are_rounded_to_exact_counts() -> None:
     assert (thirds.count("x"), thirds.count("y"), thirds.count("z")) == (2, 1, 1)  # tie → first declared
     with pytest.raises(FleetError, match=r"fractions sum to 0\.9"):
         build_fleet(spec({"a": 0.5, "b": 0.4}), 10, full_footprint_bytes=FULL, seed=0)
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_online_chances_by_tier_are_each_profiles_own(seed: int) -> None:
+    """``LazyFleet.online_chances`` (what the server's first selection reads) gives every device the
+    ``p_online`` and trace flag its own profile has: a fixed value, the default, a drawn range."""
+    base = {"memory_bytes": 1000, "uplink_bps": 1e6, "downlink_bps": 1e6, "latency_s": 0, "flops_per_s": 1e9}
+    spec = {
+        "tiers": {
+            "fixed": {**base, "fraction": 0.3, "p_online": 0.6},
+            "default": {**base, "fraction": 0.2},
+            "drawn": {**base, "fraction": 0.3, "p_online": {"min": 0.2, "max": 0.9, "dist": "uniform"}},
+            "traced": {**base, "fraction": 0.2, "p_online": {"min": 0.5, "max": 1.0}, "trace": [1, 0]},
+        }
+    }
+    fleet = build_fleet(spec, 97, full_footprint_bytes=FULL, seed=seed, lazy=True)
+    assert isinstance(fleet, LazyFleet)
+    p, traced = fleet.online_chances()
+    profiles = [fleet.make(d).profile for d in range(len(fleet))]
+    assert p.tolist() == [q.p_online for q in profiles]
+    assert traced.tolist() == [q.trace is not None for q in profiles]
+    assert len(set(p.tolist())) > 4  # the ranges were drawn per device
 
 
 def test_tier_counts_must_sum_and_required_fields_are_never_defaulted() -> None:

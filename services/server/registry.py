@@ -137,6 +137,8 @@ class OnlineChances:
         self._arrays: tuple[np.ndarray, np.ndarray] | None = None
 
     def _chances(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._arrays is None and isinstance(self._fleet, LazyFleet):
+            self._arrays = self._fleet.online_chances()
         if self._arrays is None:
             fleet = self._fleet
             make = fleet.make if isinstance(fleet, LazyFleet) else fleet.__getitem__

@@ -534,6 +534,27 @@ class LazyFleet(Sequence[Device]):
             raise FleetError("\n".join(problems))
         return Device(device_id=device, profile=profile)
 
+    def online_chances(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every device's ``p_online`` (``float64``) and whether it has an availability trace, as
+        ``make(d).profile`` would give them, without making a profile.
+
+        Why: the server's first selection asked it of every registered device by making each one's
+        profile (0.34 s at 10,000 devices, 3.7 s at 100,000, inside round 1; 2 ms by tier). A tier's fixed
+        ``p_online`` is the same for all its devices; only a range is drawn, per device, from the
+        same seed and field as ``make`` draws it (``tests/test_devices.py`` compares the two).
+        """
+        p = np.empty(len(self._labels), dtype=np.float64)
+        traced = np.zeros(len(self._labels), dtype=bool)
+        for t, tier in enumerate(self._tiers):
+            ids = np.flatnonzero(self._labels == t)
+            value = tier.p_online
+            if isinstance(value, Range):
+                p[ids] = [_draw(value, self._seed, int(d), "p_online") for d in ids]
+            else:
+                p[ids] = 1.0 if value is None else float(value)
+            traced[ids] = tier.trace is not None
+        return p, traced
+
     def tier(self, device: int) -> str:
         """The device's tier name, without making its profile (the server's registry asks it of every
         registered device at start; making 100,000 profiles for that took seconds)."""
