@@ -154,8 +154,9 @@ class Client(ServiceBase):
         #: has forgotten which tasks they answered (as it did when they lived in memory), so the
         #: server's ``go`` for one finds nothing and that device's update is not sent — never twice.
         self.spool = Spool(state_dir / "held")
-        #: the newest round a ``go`` came for (held updates of older rounds were discarded then)
-        self._go_round = -1
+        #: (server incarnation, round) of the last ``go``: held updates of other rounds and server
+        #: starts were discarded when it changed
+        self._go_stamp: tuple[str, int] = ("", -1)
         #: the newest round's payloads, decoded (digest → tensors), and tasks waiting for one
         self.payloads: dict[bytes, dict[str, Any]] = {}
         #: payload digest → the digest of its tensors' layout (an update shaped like its task's
@@ -652,9 +653,10 @@ class Client(ServiceBase):
             else:
                 self.spool.drop(held.slot)
         self.ack_unless_queued(d)
-        # forget anything older than this round (a round can be abandoned by a server restart):
-        # scanned once per round, not per ``go`` (a host holds hundreds of updates at 10,000
-        # devices, and a scan per ``go`` made the round's goes quadratic)
-        if env.round > self._go_round:
-            self._go_round = env.round
+        # forget anything older than this round (a round can be abandoned by a server restart).
+        # Scanned when the round or the server start changes, not per ``go``: a host holds hundreds
+        # of updates at 10,000 devices, and a scan per ``go`` made the round's goes quadratic.
+        stamp = (env.inc, env.round)
+        if stamp != self._go_stamp:
+            self._go_stamp = stamp
             self._discard_held(lambda key: key[1] < env.round)
