@@ -126,10 +126,11 @@ class OnlineChances:
 
     Why: selection asks it of every registered device each round, and ``is_online`` reads the
     device's profile, which a lazy fleet makes from the seed: ~2.6 s per round at 100,000 devices,
-    most of them idle. The first round reads each profile once into a ``float64`` (the same value,
-    so the same comparison) and a flag for the devices that have an availability trace (those keep
-    going through ``is_online``): 9 bytes per device, made without filling the fleet's cache; later
-    rounds only draw each device's coin (~0.2 s at 100,000).
+    most of them idle. The first round reads every device's ``p_online`` once into a ``float64`` (the
+    same value, so the same comparison) and a flag for the devices that have an availability trace
+    (those keep going through ``is_online``): 9 bytes per device. A lazy fleet gives both by tier
+    (``LazyFleet.online_chances``) without making a profile; any other fleet is read device by
+    device. Later rounds only draw each device's coin (~0.2 s at 100,000).
     """
 
     def __init__(self, fleet: Sequence[Device]) -> None:
@@ -141,7 +142,7 @@ class OnlineChances:
             self._arrays = self._fleet.online_chances()
         if self._arrays is None:
             fleet = self._fleet
-            make = fleet.make if isinstance(fleet, LazyFleet) else fleet.__getitem__
+            make = fleet.__getitem__
             p = np.empty(len(fleet), dtype=np.float64)
             traced = np.zeros(len(fleet), dtype=bool)
             for d in range(len(fleet)):

@@ -539,7 +539,8 @@ class LazyFleet(Sequence[Device]):
         ``make(d).profile`` would give them, without making a profile.
 
         Why: the server's first selection asked it of every registered device by making each one's
-        profile (0.34 s at 10,000 devices, 3.7 s at 100,000, inside round 1; 2 ms by tier). A tier's fixed
+        profile, seconds inside round 1 at 100,000 devices (benchmarks/results-scale.md, "After
+        batched go"; a millisecond by tier). A tier's fixed
         ``p_online`` is the same for all its devices; only a range is drawn, per device, from the
         same seed and field as ``make`` draws it (``tests/test_devices.py`` compares the two).
         """

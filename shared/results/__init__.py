@@ -86,9 +86,10 @@ DEVICE_COLUMNS = [f.name for f in fields(DeviceStats)]
 
 
 def device_row(d: DeviceStats) -> dict[str, Any]:
-    """``dataclasses.asdict(d)`` for this flat record, without its deep copy of every field: 1.0 µs
-    instead of 18.8 µs here. The server converts the record of every device that has taken part for
-    each round's checkpoint: up to 10,000 records a round at 10,000 devices, ~190 ms with ``asdict``."""
+    """``dataclasses.asdict(d)`` for this flat record, without its deep copy of every field (about a
+    tenth of the time: benchmarks/results-scale.md, "After batched go"). The server converts the
+    record of every device that has taken part for each round's checkpoint: up to 10,000 a round at
+    10,000 devices."""
     return {name: getattr(d, name) for name in DEVICE_COLUMNS}
 
 

@@ -196,8 +196,8 @@ def _read_in_large_chunks() -> None:
     whole partial frame) and tries to parse a frame after each, so a 438 KB update (a
     ``fleet_2000`` phone's model) took ~107 reads, each copying up to a 128 KiB frame. Measured with
     ``python benchmarks/bench_recv.py`` (benchmarks/results.md, "Reading large messages"): the
-    consumer's CPU per 438 KB message falls from ~1.8 ms to ~0.7 ms; small messages cost the same.
-    At 10,000 devices an aggregator reads ~500 such updates a round. pika is pinned below 2 in
+    consumer's CPU per 438 KB message falls from ~1.8 ms to ~0.8 ms; small messages cost the same.
+    At 10,000 devices each of 2 aggregators reads ~500 such updates a round. pika is pinned below 2 in
     ``pyproject.toml``; this private attribute is checked by ``tests/test_amqp_transport.py``.
     """
     _AsyncTransportBase._MAX_RECV_BYTES = RECV_BYTES
