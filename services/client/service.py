@@ -150,7 +150,7 @@ class Client(ServiceBase):
         #: first-finishers protocol: when on, devices report ``ready`` and upload only on ``go``
         self.ready_protocol = cfg.emulation.over_selection > 1 or cfg.emulation.round_deadline_s is not None
         self.held: dict[tuple[str, int, int], _Held] = {}
-        #: where held updates' bytes wait, one file per round. Emptied at start: a restarted host
+        #: where held updates' bytes wait, appended to a round's files. Emptied at start: a restarted host
         #: has forgotten which tasks they answered (as it did when they lived in memory), so the
         #: server's ``go`` for one finds nothing and that device's update is not sent — never twice.
         self.spool = Spool(state_dir / "held")
