@@ -552,7 +552,8 @@ class LazyFleet(Sequence[Device]):
             if isinstance(value, Range):
                 p[ids] = [_draw(value, self._seed, int(d), "p_online") for d in ids]
             else:
-                p[ids] = 1.0 if value is None else float(value)
+                # unset: the profile's own default, from the one place it is defined
+                p[ids] = DeviceProfile.model_fields["p_online"].default if value is None else float(value)
             traced[ids] = tier.trace is not None
         return p, traced
 
