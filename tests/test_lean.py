@@ -323,11 +323,15 @@ def test_held_updates_wait_on_disk_and_go_out_unchanged(
 ) -> None:
     """With over-selection a host holds every trained update until the round's ``go`` (hundreds per
     host at 10,000 devices). It keeps only where each one's encoded message is; on ``go`` it sends
-    exactly those bytes, once, and deletes them; a discarded one is deleted unsent."""
+    exactly those bytes, once, and deletes them; a discarded one is deleted unsent. (FedAvg would
+    report ``ready`` before training, ``test_deferred_training_...``: here it must train first.)"""
     from services.common import ServiceBase
     from services.orchestrator import InprocCluster
+    from shared.algorithms.fedavg import FedAvg
     from shared.schemas import Kind
     from tests.conftest import write_config
+
+    monkeypatch.setattr(FedAvg, "update_before_training", lambda self, task, n: None)
 
     cfg = load_config(
         write_config(
@@ -371,6 +375,70 @@ def test_held_updates_wait_on_disk_and_go_out_unchanged(
     assert len(set(uploaded)) == len(uploaded)  # each once
     for client in cluster.clients:  # nothing left behind: sent, discarded, or dropped at the stop
         assert not client.held and client.spool.files() == 0 and not any(client.spool.directory.glob("*"))
+
+
+def _over_selected_run(tmp_path: Path, name: str, **emulation: Any) -> tuple[Any, list[int]]:
+    """A FedAvg run with over-selection 2 (in process); the cluster after it and every trained device."""
+    from services.orchestrator import InprocCluster
+    from shared.algorithms.fedavg import FedAvg
+    from tests.conftest import write_config
+
+    cfg = load_config(
+        write_config(
+            tmp_path / f"{name}.yaml",
+            num_devices=12,
+            devices_per_round=4,
+            rounds=3,
+            emulation={"over_selection": 2.0, **emulation},
+        )
+    )
+    (tmp_path / name).mkdir()
+    cluster = InprocCluster(Experiment.build(cfg), tmp_path / name, "over", state_dir=tmp_path / f"{name}-s")
+    trained: list[int] = []
+    train = FedAvg.train
+
+    def counting(self: FedAvg, task: Any, device: Any) -> Any:
+        trained.append(device.device_id)
+        return train(self, task, device)
+
+    FedAvg.train = counting  # type: ignore[method-assign]
+    try:
+        assert cluster.run(max_steps=200_000) == 0
+    finally:
+        FedAvg.train = train  # type: ignore[method-assign]
+        cluster.close()
+    return cluster, trained
+
+
+def test_deferred_training_trains_only_the_kept_devices_and_changes_nothing_else(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FedAvg knows its update's size and FLOPs from the task, so in first-finishers rounds a host
+    reports ``ready`` first and trains only the devices the ``go`` keeps. Against the same run with
+    training first (every invited device trains, the surplus updates are thrown away): the same
+    global model, the same rows (finish times, bytes, participants), fewer trainings."""
+    from shared.algorithms.fedavg import FedAvg
+
+    deferred, trained = _over_selected_run(tmp_path, "deferred")
+    with monkeypatch.context() as m:
+        m.setattr(FedAvg, "update_before_training", lambda self, task, n: None)
+        eager, trained_eagerly = _over_selected_run(tmp_path, "eager")
+    participants = sum(int(row["participants"]) for row in deferred.server.rows)
+    assert participants == len(trained) < len(trained_eagerly)  # the surplus did not train
+    assert all(not c.deferred and not c.held for c in deferred.clients)  # nothing left waiting
+    for name, array in eager.server.state.arrays.items():
+        np.testing.assert_array_equal(deferred.server.state.arrays[name], array, err_msg=name)
+    drop = {"wall_seconds", "round_seconds"}  # wall clock: differs between any two runs
+    assert [{k: v for k, v in r.items() if k not in drop} for r in deferred.server.rows] == [
+        {k: v for k, v in r.items() if k not in drop} for r in eager.server.rows
+    ]
+
+
+def test_real_time_rounds_still_train_before_ready(tmp_path: Path) -> None:
+    """In real time a device's training duration is part of its finish time: nothing is deferred."""
+    cluster, trained = _over_selected_run(tmp_path, "real", time_mode="real", time_factor=1000.0)
+    selected = sum(int(row["selected"]) for row in cluster.server.rows)
+    assert len(trained) == selected - sum(int(r["dropped"]) + int(r["rejected"]) for r in cluster.server.rows)
 
 
 # -- the server's registry: views made on access ----------------------------------------------------

@@ -18,7 +18,10 @@ For each task addressed to one of its devices it:
    FLOP/s);
 4. emulates the **upload** of the encoded update and publishes it — or, when the round keeps only the
    first finishers, reports ``ready`` and waits for the server's ``go``, with the encoded update
-   written to the host's state directory (``<state_dir>/held``) rather than kept in memory.
+   written to the host's state directory (``<state_dir>/held``) rather than kept in memory. Where
+   the strategy knows the update's size and cost from the task (``update_before_training``: FedAvg)
+   and time is virtual, ``ready`` goes out *before* training, and only the devices the ``go`` keeps
+   train: the finish times, bytes and global model are the same, the surplus training is not done.
 
 Time is ``virtual`` (durations computed and carried in the update; nothing sleeps) or ``real`` (the
 client sleeps them, divided by the time factor). A task is acked only after its outcome is published,
@@ -114,6 +117,41 @@ class _Held:
     device: Device
 
 
+@dataclass
+class _Deferred:
+    """A task whose device reported ``ready`` before training, because its finish time follows from
+    the task (``Strategy.update_before_training``); it trains only if the server's ``go`` keeps it.
+
+    Why: with over-selection 1.3 a quarter of the invited devices train for an update the server
+    then discards (issue 16: 300 of 1,300 per round at 10,000 devices). The device's data and seed
+    are taken when the task arrives, so a lease that moves the device before the ``go`` changes
+    nothing; ``up_s`` and ``size`` are what ``ready`` reported, and the update is checked against them.
+    """
+
+    env: Envelope
+    msg: Task
+    task: TaskSpec
+    device: Device
+    ctx: DeviceContext
+    task_bytes: int
+    down_s: float
+    compute_s: float
+    flops: int
+    up_s: float
+    size: int
+
+
+@dataclass
+class _Encoded:
+    """An update as it goes on the wire, and what the device's link is charged for it."""
+
+    data: bytes
+    dense_bytes: int
+    #: the bytes the emulated device uploads (the message without its telemetry)
+    size: int
+    upload_s: float
+
+
 class Client(ServiceBase):
     service = "client"
 
@@ -150,6 +188,8 @@ class Client(ServiceBase):
         #: first-finishers protocol: when on, devices report ``ready`` and upload only on ``go``
         self.ready_protocol = cfg.emulation.over_selection > 1 or cfg.emulation.round_deadline_s is not None
         self.held: dict[tuple[str, int, int], _Held] = {}
+        #: first-finishers tasks answered ``ready`` before training (see ``_Deferred``), same keys
+        self.deferred: dict[tuple[str, int, int], _Deferred] = {}
         #: where held updates' bytes wait, appended to a round's files. Emptied at start: a restarted host
         #: has forgotten which tasks they answered (as it did when they lived in memory), so the
         #: server's ``go`` for one finds nothing and that device's update is not sent — never twice.
@@ -441,7 +481,9 @@ class Client(ServiceBase):
         task_bytes = len(d.body) + msg.payload_bytes
         if self._admitted(env, msg, task, device, task_bytes, d):
             down_s = self._download(task, device, task_bytes)
-            if not self._dropped_out(env, msg, device, task_bytes, d):
+            if not self._dropped_out(env, msg, device, task_bytes, d) and not self._defer(
+                env, msg, task, device, task_bytes, down_s, d
+            ):
                 update, compute_s = self._train(env, task, device)
                 self._sync_state(dev)  # before the update: the server has it before the round ends
                 self._deliver(env, msg, update, device, task_bytes, down_s, compute_s, d)
@@ -501,6 +543,70 @@ class Client(ServiceBase):
             self._notify(env, msg, notice, Kind.REJECT, d)
         return True
 
+    def _defer(
+        self,
+        env: Envelope,
+        msg: Task,
+        task: TaskSpec,
+        device: Device,
+        task_bytes: int,
+        down_s: float,
+        d: Delivery,
+    ) -> bool:
+        """In a first-finishers round in virtual time, report ``ready`` before training when the
+        strategy knows the update's size and cost from the task; True if it did (``_Deferred``).
+
+        The finish time is what training would have given: compute from ``task_flops`` (the FLOPs
+        ``_train`` charges when the strategy reports none), upload from the size of an update of the
+        task's shapes. Real time trains first: there the training's own duration is part of the
+        device's time."""
+        if not self.ready_protocol or self.emulation.time_mode == "real":
+            return False
+        dev = device.device_id
+        ctx = self._context(dev, env.round)
+        template = self.strategy.update_before_training(task, len(ctx.data.y_train))
+        if template is None:
+            return False
+        flops = self.strategy.task_flops(task, len(ctx.data.y_train))
+        compute_s = emulate_compute(flops, device.profile, mode="virtual")
+        self._observe(metrics.CLIENT_COMPUTE_SECONDS, device.tier, compute_s, None)
+        template.metrics = {MetricKey.TRAIN_FLOPS: float(flops)}
+        sized = self._encode_update(env, msg, template, device, task_bytes, down_s, compute_s, body=False)
+        slot = (env.inc, env.round, dev)
+        self._forget(slot)  # a redelivered task's earlier answer: replaced
+        self.deferred[slot] = _Deferred(
+            env, msg, task, device, ctx, task_bytes, down_s, compute_s, flops, sized.upload_s, sized.size
+        )
+        ready = Ready(device_id=dev, finish_s=down_s + compute_s + sized.upload_s, update_bytes=sized.size)
+        self._notify(env, msg, ready, Kind.READY, d)
+        return True
+
+    def _train_deferred(self, job: _Deferred, d: Delivery) -> None:
+        """The ``go`` kept a deferred device: train it now and upload, as ``ready`` announced."""
+        dev, tier = job.device.device_id, job.device.tier
+        started = time.perf_counter()
+        update = self.strategy.train(job.task, job.ctx)
+        metrics.CLIENT_TRAIN_SECONDS.labels(self.experiment, self.algorithm, tier).observe(
+            time.perf_counter() - started
+        )
+        update.metrics = self._finite_metrics(
+            dev, {**update.metrics, MetricKey.TRAIN_FLOPS: float(job.flops)}
+        )
+        self._sync_state(dev)
+        enc = self._encode_update(
+            job.env, job.msg, update, job.device, job.task_bytes, job.down_s, job.compute_s, upload_s=job.up_s
+        )
+        if enc.size != job.size:  # the strategy's update_before_training does not describe its train
+            self.log.error(
+                "device %d uploads %d bytes, %d announced in ready (%s.update_before_training is wrong)",
+                dev,
+                enc.size,
+                job.size,
+                type(self.strategy).__name__,
+                extra={"event": "ready_size_mismatch", "device": dev},
+            )
+        self._upload(enc.data, enc.dense_bytes, job.device, job.up_s, d)
+
     def _train(self, env: Envelope, task: TaskSpec, device: Device) -> tuple[UpdateSpec, float]:
         """Train with the strategy's client half; returns the update and the emulated compute seconds
         of its FLOPs (the update's ``train_flops`` metric is set to them)."""
@@ -548,6 +654,32 @@ class Client(ServiceBase):
     ) -> None:
         """Encode the update and upload it — or, in first-finishers rounds, hold it and report ``ready``."""
         dev = device.device_id
+        enc = self._encode_update(env, msg, update, device, task_bytes, down_s, compute_s)
+        if self.ready_protocol:
+            slot = (env.inc, env.round, dev)
+            self._forget(slot)  # a redelivered task's earlier answer: replaced
+            self.held[slot] = _Held(self.spool.put(slot[:2], enc.data), enc.dense_bytes, enc.upload_s, device)
+            ready = Ready(device_id=dev, finish_s=down_s + compute_s + enc.upload_s, update_bytes=enc.size)
+            self._notify(env, msg, ready, Kind.READY, d)
+        else:
+            self._upload(enc.data, enc.dense_bytes, device, enc.upload_s, d)
+
+    def _encode_update(
+        self,
+        env: Envelope,
+        msg: Task,
+        update: UpdateSpec,
+        device: Device,
+        task_bytes: int,
+        down_s: float,
+        compute_s: float,
+        *,
+        upload_s: float | None = None,
+        body: bool = True,
+    ) -> _Encoded:
+        """The update's message and the device's upload of it (``upload_s``: the upload's emulated
+        seconds when already known, else from the size); ``body=False``: only the size and seconds."""
+        dev = device.device_id
         tensors, dense = encode_tensors(update.tensors)
 
         def update_msg(up_s: float) -> Update:
@@ -569,7 +701,7 @@ class Client(ServiceBase):
         packed = pack_body(Kind.UPDATE, update_msg(0.0), known=known)
         key = msg.key.hex()
 
-        def body(upd: Update) -> bytes:
+        def encoded(upd: Update) -> bytes:
             return encode(
                 Kind.UPDATE, upd, exp=exp, round=rnd, sender="", inc=inc, key=key, known=known, packed=packed
             )
@@ -577,19 +709,17 @@ class Client(ServiceBase):
         if key:
             size = device_size(Kind.UPDATE, packed, exp=exp, round=rnd, sender="", inc=inc)
         else:  # a task without a key (no sender checks): no MAC to save, the size of an encoding
-            size = device_bytes(body(update_msg(0.0)))
-        up_s = transfer_seconds(size, device.profile.uplink_bps, device.profile.latency_s)
-        data = body(update_msg(up_s))
-        if self.ready_protocol:
-            slot = (env.inc, env.round, dev)
-            earlier = self.held.pop(slot, None)  # a redelivered task's earlier answer: replaced
-            if earlier is not None:
-                self.spool.drop(earlier.slot)
-            self.held[slot] = _Held(self.spool.put(slot[:2], data), dense, up_s, device)
-            ready = Ready(device_id=dev, finish_s=down_s + compute_s + up_s, update_bytes=size)
-            self._notify(env, msg, ready, Kind.READY, d)
-        else:
-            self._upload(data, dense, device, up_s, d)
+            size = device_bytes(encoded(update_msg(0.0)))
+        if upload_s is None:
+            upload_s = transfer_seconds(size, device.profile.uplink_bps, device.profile.latency_s)
+        return _Encoded(encoded(update_msg(upload_s)) if body else b"", dense, size, upload_s)
+
+    def _forget(self, slot: tuple[str, int, int]) -> None:
+        """Drop whatever answer waits for ``slot``'s ``go`` (a held update or a deferred task)."""
+        earlier = self.held.pop(slot, None)
+        if earlier is not None:
+            self.spool.drop(earlier.slot)
+        self.deferred.pop(slot, None)
 
     def _upload(self, data: bytes, dense: int, device: Device, up_s: float, d: Delivery) -> None:
         """Publish an update, the answer to ``d`` (a task, or the go of a held update).
@@ -644,9 +774,16 @@ class Client(ServiceBase):
     def _discard_held(self, stale: Callable[[tuple[str, int, int]], bool]) -> None:
         for key in [k for k in self.held if stale(k)]:
             self.spool.drop(self.held.pop(key).slot)
+        for key in [k for k in self.deferred if stale(k)]:
+            del self.deferred[key]
 
     def on_go(self, env: Envelope, msg: Go, d: Delivery) -> None:
-        held = self.held.pop((env.inc, env.round, msg.device_id), None)
+        slot = (env.inc, env.round, msg.device_id)
+        held = self.held.pop(slot, None)
+        deferred = self.deferred.pop(slot, None)
+        if deferred is not None and msg.upload:
+            self._train_deferred(deferred, d)
+            self.tick()  # a host may train hundreds of kept devices in one turn: keep its lease
         if held is not None:
             if msg.upload:
                 self._upload(self.spool.take(held.slot), held.dense_bytes, held.device, held.upload_s, d)

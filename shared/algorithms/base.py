@@ -253,6 +253,20 @@ class Strategy(ABC):
     @abstractmethod
     def train(self, task: TaskSpec, device: DeviceContext) -> UpdateSpec: ...
 
+    def update_before_training(self, task: TaskSpec, num_samples: int) -> UpdateSpec | None:
+        """An update of the size ``train`` will return for ``task`` — the same tensor names, kinds,
+        shapes and dtypes, any values — when that is known before training and ``train`` reports no
+        ``train_flops`` of its own (its cost is ``task_flops``); None (the default) when training
+        decides them (a sparsity reached, indices chosen on the device, a stateful device).
+
+        Why: in first-finishers rounds a device's finish time is download + compute + upload, and
+        when all three follow from the task, a client can report ``ready`` before training and
+        train only the devices the server keeps (``go``). The surplus devices' updates were thrown
+        away anyway; training them cost the host ~a quarter of a 1.3x over-selected round's training
+        (issue 16). The emulated times, bytes and the global model are the same either way.
+        """
+        return None
+
     def evaluate_device(self, task: TaskSpec, device: DeviceContext) -> dict[str, float] | None:
         """Evaluate the device's personalised model on its own test split, without training.
 

@@ -73,6 +73,10 @@ class FedAvg(Strategy):
             metrics=metrics,
         )
 
+    def update_before_training(self, task: TaskSpec, num_samples: int) -> UpdateSpec | None:
+        # ``train`` returns dense arrays of the task's names, shapes and dtypes, and no FLOPs of its own
+        return UpdateSpec(dict(task.tensors), num_samples=num_samples)
+
     # -- aggregation half --------------------------------------------------------------------------
     @cached_property
     def _expected_shapes(self) -> dict[str, tuple[int, ...]]:
