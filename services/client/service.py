@@ -190,6 +190,8 @@ class Client(ServiceBase):
         self.held: dict[tuple[str, int, int], _Held] = {}
         #: first-finishers tasks answered ``ready`` before training (see ``_Deferred``), same keys
         self.deferred: dict[tuple[str, int, int], _Deferred] = {}
+        #: (a round task's tensors, their layout digest, the bytes they add to an update's body)
+        self._tensor_size: tuple[tuple[Any, ...], bytes | None, int] | None = None
         #: where held updates' bytes wait, appended to a round's files. Emptied at start: a restarted host
         #: has forgotten which tasks they answered (as it did when they lived in memory), so the
         #: server's ``go`` for one finds nothing and that device's update is not sent — never twice.
@@ -570,16 +572,50 @@ class Client(ServiceBase):
         flops = self.strategy.task_flops(task, len(ctx.data.y_train))
         compute_s = emulate_compute(flops, device.profile, mode="virtual")
         self._observe(metrics.CLIENT_COMPUTE_SECONDS, device.tier, compute_s, None)
-        template.metrics = {MetricKey.TRAIN_FLOPS: float(flops)}
-        sized = self._encode_update(env, msg, template, device, task_bytes, down_s, compute_s, body=False)
+        if msg.key and task_bytes > 0:  # (else the fields differ in form: measure an encoding)
+            size = self._predicted_size(env, msg, template, task_bytes)
+            up_s = transfer_seconds(size, device.profile.uplink_bps, device.profile.latency_s)
+        else:
+            sized = self._encode_update(env, msg, template, device, task_bytes, down_s, compute_s, body=False)
+            size, up_s = sized.size, sized.upload_s
         slot = (env.inc, env.round, dev)
         self._forget(slot)  # a redelivered task's earlier answer: replaced
         self.deferred[slot] = _Deferred(
-            env, msg, task, device, ctx, task_bytes, down_s, compute_s, flops, sized.upload_s, sized.size
+            env, msg, task, device, ctx, task_bytes, down_s, compute_s, flops, up_s, size
         )
-        ready = Ready(device_id=dev, finish_s=down_s + compute_s + sized.upload_s, update_bytes=sized.size)
+        ready = Ready(device_id=dev, finish_s=down_s + compute_s + up_s, update_bytes=size)
         self._notify(env, msg, ready, Kind.READY, d)
         return True
+
+    def _predicted_size(self, env: Envelope, msg: Task, template: UpdateSpec, task_bytes: int) -> int:
+        """What the device will upload for ``template``'s update (``device_size``), without packing
+        its tensors for every device.
+
+        Why: packing a 438 KB model to learn its size cost as much as the training deferral saves.
+        An update's body is a fixed-length list of fields (device id, samples, tensor set, task
+        bytes) followed by the tensor set's blob, so its length is the length without tensors plus
+        what the tensors add; that part is computed once for the tensors of a round's task (the same
+        objects for all its devices, kept referenced so that their ids cannot be reused) and layout.
+        ``_train_deferred`` compares the real update's size with this one."""
+        layout = self.payload_layouts.get(msg.payload)
+        known = {layout: self.layouts[layout]} if layout is not None and layout in self.layouts else None
+        tensors = tuple(template.tensors.values())
+        cached = self._tensor_size
+        if (
+            cached is None
+            or cached[1] != layout
+            or len(cached[0]) != len(tensors)
+            or any(a is not b for a, b in zip(cached[0], tensors, strict=True))
+        ):
+            full = Update(
+                device_id=0, num_samples=0, tensors=encode_tensors(template.tensors)[0], task_bytes=1
+            )
+            empty = Update(device_id=0, num_samples=0, task_bytes=1)
+            added = len(pack_body(Kind.UPDATE, full, known=known)) - len(pack_body(Kind.UPDATE, empty))
+            cached = self._tensor_size = (tensors, layout, added)
+        bare = Update(device_id=msg.device_id, num_samples=template.num_samples, task_bytes=task_bytes)
+        packed = len(pack_body(Kind.UPDATE, bare)) + cached[2]
+        return device_size(Kind.UPDATE, packed, exp=self.experiment, round=env.round, sender="", inc=env.inc)
 
     def _train_deferred(self, job: _Deferred, d: Delivery) -> None:
         """The ``go`` kept a deferred device: train it now and upload, as ``ready`` announced."""
