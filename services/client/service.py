@@ -44,7 +44,7 @@ from typing import Any
 from services.client.spool import Slot, Spool
 from services.common import MessageHandler, ServiceBase, decode_tensors, encode_tensors
 from shared import metrics
-from shared.algorithms.base import DeviceContext, TaskSpec, UpdateSpec, derive_seed
+from shared.algorithms.base import DeviceContext, DeviceData, TaskSpec, UpdateSpec, derive_seed
 from shared.algorithms.device_state import atomic_write_bytes
 from shared.codec import tensorset
 from shared.devices import (
@@ -123,16 +123,15 @@ class _Deferred:
     the task (``Strategy.update_before_training``); it trains only if the server's ``go`` keeps it.
 
     Why: with over-selection 1.3 a quarter of the invited devices train for an update the server
-    then discards (issue 16: 300 of 1,300 per round at 10,000 devices). The device's data and seed
-    are taken when the task arrives, so a lease that moves the device before the ``go`` changes
-    nothing; ``up_s`` and ``size`` are what ``ready`` reported, and the update is checked against them.
+    then discards (issue 16: 300 of 1,300 per round at 10,000 devices). Only the task is kept, not
+    the device's data (sliced from the mapped dataset when the ``go`` comes, as for any training);
+    ``up_s`` and ``size`` are what ``ready`` reported, and the update is checked against them.
     """
 
     env: Envelope
     msg: Task
     task: TaskSpec
     device: Device
-    ctx: DeviceContext
     task_bytes: int
     down_s: float
     compute_s: float
@@ -190,8 +189,8 @@ class Client(ServiceBase):
         self.held: dict[tuple[str, int, int], _Held] = {}
         #: first-finishers tasks answered ``ready`` before training (see ``_Deferred``), same keys
         self.deferred: dict[tuple[str, int, int], _Deferred] = {}
-        #: (a round task's tensors, their layout digest, the bytes they add to an update's body)
-        self._tensor_size: tuple[tuple[Any, ...], bytes | None, int] | None = None
+        #: (a round task's tensors, (their layout digest, names), the bytes they add to an update's body)
+        self._tensor_size: tuple[tuple[Any, ...], tuple[bytes | None, tuple[str, ...]], int] | None = None
         #: where held updates' bytes wait, appended to a round's files. Emptied at start: a restarted host
         #: has forgotten which tasks they answered (as it did when they lived in memory), so the
         #: server's ``go`` for one finds nothing and that device's update is not sent — never twice.
@@ -565,66 +564,79 @@ class Client(ServiceBase):
         if not self.ready_protocol or self.emulation.time_mode == "real":
             return False
         dev = device.device_id
-        ctx = self._context(dev, env.round)
-        template = self.strategy.update_before_training(task, len(ctx.data.y_train))
+        samples = len(self.data[dev].y_train)
+        template = self.strategy.update_before_training(task, samples)
         if template is None:
             return False
-        flops = self.strategy.task_flops(task, len(ctx.data.y_train))
+        flops = self.strategy.task_flops(task, samples)
         compute_s = emulate_compute(flops, device.profile, mode="virtual")
         self._observe(metrics.CLIENT_COMPUTE_SECONDS, device.tier, compute_s, None)
-        if msg.key and task_bytes > 0:  # (else the fields differ in form: measure an encoding)
-            size = self._predicted_size(env, msg, template, task_bytes)
+        if msg.key:
+            size = self._predicted_size(env, msg, template)
             up_s = transfer_seconds(size, device.profile.uplink_bps, device.profile.latency_s)
-        else:
+        else:  # keyless (no sender checks): no MAC, so ``device_size`` does not apply; measure an encoding
             sized = self._encode_update(env, msg, template, device, task_bytes, down_s, compute_s, body=False)
             size, up_s = sized.size, sized.upload_s
         slot = (env.inc, env.round, dev)
         self._forget(slot)  # a redelivered task's earlier answer: replaced
         self.deferred[slot] = _Deferred(
-            env, msg, task, device, ctx, task_bytes, down_s, compute_s, flops, up_s, size
+            env, msg, task, device, task_bytes, down_s, compute_s, flops, up_s, size
         )
         ready = Ready(device_id=dev, finish_s=down_s + compute_s + up_s, update_bytes=size)
         self._notify(env, msg, ready, Kind.READY, d)
         return True
 
-    def _predicted_size(self, env: Envelope, msg: Task, template: UpdateSpec, task_bytes: int) -> int:
+    def _predicted_size(self, env: Envelope, msg: Task, template: UpdateSpec) -> int:
         """What the device will upload for ``template``'s update (``device_size``), without packing
         its tensors for every device.
 
         Why: packing a 438 KB model to learn its size cost as much as the training deferral saves.
-        An update's body is a fixed-length list of fields (device id, samples, tensor set, task
-        bytes) followed by the tensor set's blob, so its length is the length without tensors plus
-        what the tensors add; that part is computed once for the tensors of a round's task (the same
-        objects for all its devices, kept referenced so that their ids cannot be reused) and layout.
-        ``_train_deferred`` compares the real update's size with this one."""
+        An update's counted body is a list of fields (device id, samples, tensor set; the rest is
+        telemetry) followed by the tensor set's blob, so its length is the length without tensors
+        plus what the tensors add; that part is computed once for the tensors of a round's task (the
+        same objects for all its devices, kept referenced so that their ids cannot be reused), their
+        names and layout. ``_train_deferred`` compares the real update's size with this one."""
         layout = self.payload_layouts.get(msg.payload)
         known = {layout: self.layouts[layout]} if layout is not None and layout in self.layouts else None
         tensors = tuple(template.tensors.values())
+        names = tuple(template.tensors)
         cached = self._tensor_size
         if (
             cached is None
-            or cached[1] != layout
+            or cached[1] != (layout, names)
             or len(cached[0]) != len(tensors)
             or any(a is not b for a, b in zip(cached[0], tensors, strict=True))
         ):
-            full = Update(
-                device_id=0, num_samples=0, tensors=encode_tensors(template.tensors)[0], task_bytes=1
-            )
-            empty = Update(device_id=0, num_samples=0, task_bytes=1)
+            full = Update(device_id=0, num_samples=0, tensors=encode_tensors(template.tensors)[0])
+            empty = Update(device_id=0, num_samples=0)
             added = len(pack_body(Kind.UPDATE, full, known=known)) - len(pack_body(Kind.UPDATE, empty))
-            cached = self._tensor_size = (tensors, layout, added)
-        bare = Update(device_id=msg.device_id, num_samples=template.num_samples, task_bytes=task_bytes)
+            cached = self._tensor_size = (tensors, (layout, names), added)
+        bare = Update(device_id=msg.device_id, num_samples=template.num_samples)
         packed = len(pack_body(Kind.UPDATE, bare)) + cached[2]
         return device_size(Kind.UPDATE, packed, exp=self.experiment, round=env.round, sender="", inc=env.inc)
 
     def _train_deferred(self, job: _Deferred, d: Delivery) -> None:
         """The ``go`` kept a deferred device: train it now and upload, as ``ready`` announced."""
         dev, tier = job.device.device_id, job.device.tier
+        # the device's data as any training takes it; leases change between rounds, but a device
+        # that is no longer served here still trains what its ``ready`` promised
+        data = self.data[dev] if dev in self.data else self.exp.device_data(dev)
         started = time.perf_counter()
-        update = self.strategy.train(job.task, job.ctx)
+        update = self.strategy.train(job.task, self._context(dev, job.env.round, data))
         metrics.CLIENT_TRAIN_SECONDS.labels(self.experiment, self.algorithm, tier).observe(
             time.perf_counter() - started
         )
+        reported = update.metrics.get(MetricKey.TRAIN_FLOPS)
+        if reported is not None and int(reported) != job.flops:  # the same contract as the size
+            self.log.error(
+                "device %d reports %d training FLOPs, %d charged in ready (%s.update_before_training "
+                "requires train to report none)",
+                dev,
+                int(reported),
+                job.flops,
+                type(self.strategy).__name__,
+                extra={"event": "ready_flops_mismatch", "device": dev},
+            )
         update.metrics = self._finite_metrics(
             dev, {**update.metrics, MetricKey.TRAIN_FLOPS: float(job.flops)}
         )
@@ -777,11 +789,11 @@ class Client(ServiceBase):
             metrics.CLIENT_TRANSFER_SECONDS, device.tier, up_s, time.perf_counter() - t0, direction="up"
         )
 
-    def _context(self, dev: int, round: int) -> DeviceContext:
+    def _context(self, dev: int, round: int, data: DeviceData | None = None) -> DeviceContext:
         return DeviceContext(
             device_id=dev,
             round=round,
-            data=self.data[dev],
+            data=self.data[dev] if data is None else data,
             state_dir=self._device_dir(dev),
             seed=derive_seed(self.exp.cfg.seed, "train", round, dev) % (2**32),
             tier=self.fleet[dev].tier,

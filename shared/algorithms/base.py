@@ -263,7 +263,9 @@ class Strategy(ABC):
         when all three follow from the task, a client can report ``ready`` before training and
         train only the devices the server keeps (``go``). The surplus devices' updates were thrown
         away anyway; training them cost the host ~a quarter of a 1.3x over-selected round's training
-        (issue 16). The emulated times, bytes and the global model are the same either way.
+        (issue 16). The emulated times, bytes and the global model are the same either way, as long
+        as the wall-clock ``round_timeout_s`` does not cut the round (the kept devices now train after
+        the ``go``, so a timeout interrupts them rather than the ready phase).
         """
         return None
 
