@@ -1,9 +1,9 @@
-"""Run every benchmark (codec, envelope, recv, rounds, transfer, broker) and write one markdown report.
+"""Run every benchmark (codec, envelope, recv, rounds, transfer, broker, checkpoint); write one report.
 
 ``make bench`` calls this.
 
 Usage: ``python benchmarks/run_all.py --out benchmarks/results.md
-[--only codec envelope recv rounds transfer broker] [--rounds 12] [--clients 2] [--aggregators 1]
+[--only codec envelope recv rounds transfer broker checkpoint] [--rounds 12] [--clients 2] [--aggregators 1]
 [--runs-dir runs]``.
 
 Why one report that starts with its own provenance: benchmark numbers are only comparable with the
@@ -39,13 +39,14 @@ for path in (str(REPO), str(BENCH_DIR)):  # the bench modules, and `shared` from
         sys.path.insert(0, path)
 
 import bench_broker  # noqa: E402
+import bench_checkpoint  # noqa: E402
 import bench_codec  # noqa: E402
 import bench_envelope  # noqa: E402
 import bench_recv  # noqa: E402
 import bench_rounds  # noqa: E402
 import bench_transfer  # noqa: E402
 
-BENCHMARKS = ("codec", "envelope", "recv", "rounds", "transfer", "broker")
+BENCHMARKS = ("codec", "envelope", "recv", "rounds", "transfer", "broker", "checkpoint")
 
 
 def _redact(url: str) -> str:
@@ -138,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": bench_rounds.step_count((10, 50), bench_rounds.TRANSPORTS),
         "transfer": bench_transfer.step_count(),
         "broker": bench_broker.step_count(),
+        "checkpoint": 1,
     }
 
     def _envelope(say: Callable[[str], None]) -> str:
@@ -147,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     def recv(say: Callable[[str], None]) -> str:
         say("recv: pika's socket reads")
         return bench_recv.run(3)
+
+    def checkpoint_job(say: Callable[[str], None]) -> str:
+        say("checkpoint: rounds.csv and the checkpoint as a run grows")
+        return bench_checkpoint.run()
 
     def codec(say: Callable[[str], None]) -> str:
         say("codec: encode/decode throughput")
@@ -178,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             "Classic vs quorum queues, one node vs a 3-node cluster",
             lambda say: bench_broker.run(50, 8, runs_dir=args.runs_dir, progress=say),
         ),
+        "checkpoint": ("The server's bookkeeping per round", checkpoint_job),
     }
     failed = []
     with Progress(

@@ -41,9 +41,15 @@ def _ckpt(round: int, value: float = 1.0) -> Checkpoint:
     return Checkpoint(round, ServerState(arrays, {"round_seen": round}), {"rows": [round]})
 
 
+def _save(run: Path, ckpt: Checkpoint) -> None:
+    """Save with the journal opened where the latest usable checkpoint left it, as a server does."""
+    latest = checkpoint.load(run)
+    checkpoint.save(run, ckpt, checkpoint.Journal(run, latest.mark if latest else None))
+
+
 def _two_saved(run: Path) -> None:
-    checkpoint.save(run, _ckpt(1))
-    checkpoint.save(run, _ckpt(2))
+    _save(run, _ckpt(1))
+    _save(run, _ckpt(2))
 
 
 def _fallback_warning(caplog: pytest.LogCaptureFixture) -> str:
@@ -54,7 +60,7 @@ def _fallback_warning(caplog: pytest.LogCaptureFixture) -> str:
 
 def test_a_save_keeps_the_previous_checkpoint_and_round_trips(tmp_path: Path) -> None:
     _two_saved(tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint", "checkpoint.old"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint", "checkpoint.old", "ledger.jsonl"]
     for name in ("state.npz", "state.json", "checksums.json"):
         assert (tmp_path / "checkpoint" / name).exists()
     got = checkpoint.load(tmp_path)
@@ -62,7 +68,7 @@ def test_a_save_keeps_the_previous_checkpoint_and_round_trips(tmp_path: Path) ->
     np.testing.assert_array_equal(got.state.arrays["w"], _ckpt(2).state.arrays["w"])
     assert got.state.arrays["steps"].dtype == np.int64
     assert got.state.meta == {"round_seen": 2} and got.ledger == {"rows": [2]}
-    checkpoint.save(tmp_path, _ckpt(3))  # one generation back: round 1 is gone, round 2 kept
+    _save(tmp_path, _ckpt(3))  # one generation back: round 1 is gone, round 2 kept
     previous = json.loads((tmp_path / "checkpoint.old" / "state.json").read_text())
     assert previous["round"] == 2
 
@@ -132,7 +138,7 @@ def test_an_unusable_latest_falls_back_to_the_previous_with_a_warning(
     assert why in _fallback_warning(caplog)
     # the previous one is now the latest, so the next save cannot delete the only good checkpoint
     assert (tmp_path / "checkpoint" / "state.json").exists() and not (tmp_path / "checkpoint.old").exists()
-    checkpoint.save(tmp_path, _ckpt(2))
+    _save(tmp_path, _ckpt(2))
     again = checkpoint.load(tmp_path)
     assert again is not None and again.round == 2
     assert (checkpoint.load(tmp_path / "nothing")) is None
@@ -160,13 +166,16 @@ def test_no_usable_checkpoint_is_one_clear_error(tmp_path: Path, previous: str) 
 
 
 def test_a_non_finite_state_is_never_checkpointed(tmp_path: Path) -> None:
-    checkpoint.save(tmp_path, _ckpt(1))
+    _save(tmp_path, _ckpt(1))
     with pytest.raises(CheckpointError, match="non-finite values in \\['w'\\]"):
-        checkpoint.save(tmp_path, _ckpt(2, value=np.nan))
+        _save(tmp_path, _ckpt(2, value=np.nan))
     with pytest.raises(CheckpointError, match="non-finite metadata"):
-        checkpoint.save(tmp_path, Checkpoint(2, _ckpt(2).state, {"accuracy": float("inf")}))
+        _save(tmp_path, Checkpoint(2, _ckpt(2).state, {"accuracy": float("inf")}))
+    with pytest.raises(CheckpointError, match="non-finite metadata"):
+        _save(tmp_path, Checkpoint(2, _ckpt(2).state, {}, [{"rows": [{"loss": float("nan")}]}]))
     got = checkpoint.load(tmp_path)
     assert got is not None and got.round == 1
+    assert got.mark is not None and (tmp_path / "ledger.jsonl").stat().st_size == got.mark["bytes"]
     assert (
         not (tmp_path / "checkpoint.tmp").exists()
         or not (tmp_path / "checkpoint.tmp/checksums.json").exists()
@@ -198,6 +207,172 @@ def test_a_server_resumes_from_the_previous_checkpoint_and_ends_like_an_uninterr
     assert [r["round"] for r in again.server.rows] == [1, 2, 3]
     for name, arr in clean.server.state.arrays.items():
         np.testing.assert_allclose(again.server.state.arrays[name], arr, atol=1e-6, rtol=0)
+
+    # the ledger replayed from the journal: every device's statistics as in the uninterrupted run
+    # (the second round's line, beyond the previous checkpoint's mark, was cut and run again)
+    def devices(c: InprocCluster) -> dict[int, dict[str, Any]]:
+        rows = {d: device_row(s) for d, s in c.server.ledger.devices.items()}
+        for r in rows.values():
+            r.pop("virtual_seconds")  # a float sum: compared below to rounding
+        return rows
+
+    assert devices(again) == devices(clean)
+    assert [r["bytes_up"] for r in again.server.rows] == [r["bytes_up"] for r in clean.server.rows]
+    assert (run / "rounds.csv").read_text().count("\n") == 4  # header + 3 rows, none twice
+
+
+def _journaled(round: int) -> Checkpoint:
+    """A checkpoint whose journal entry adds round ``round``'s row and touches devices ``round``
+    and 100 (so device 100's statistics change in every entry: the replay must keep the last)."""
+    entry = {
+        "rows": [{"round": round, "accuracy": 0.1 * round}],
+        "devices": [device_row(DeviceStats(d, selected=round)) for d in (round, 100)],
+    }
+    return Checkpoint(round, _ckpt(round).state, {"totals": {}, "wall_seconds": 1.0}, [entry])
+
+
+def _replayed(ckpt: Checkpoint | None) -> tuple[list[int], dict[int, int]]:
+    """(rows' rounds, device → selected) of a loaded checkpoint's journal, replayed in order."""
+    assert ckpt is not None
+    rounds = [r["round"] for e in ckpt.journal for r in e["rows"]]
+    selected = {d["device_id"]: d["selected"] for e in ckpt.journal for d in e["devices"]}
+    return rounds, selected
+
+
+def test_the_journal_holds_what_each_checkpoint_added_and_the_checkpoint_stays_small(tmp_path: Path) -> None:
+    """Why the journal: with the whole ledger in ``state.json``, a save cost O(rounds + devices)."""
+    journal = checkpoint.Journal(tmp_path, None)
+    sizes = []
+    for r in range(1, 31):
+        checkpoint.save(tmp_path, _journaled(r), journal)
+        sizes.append((tmp_path / "checkpoint" / "state.json").stat().st_size)
+    line = len((tmp_path / "ledger.jsonl").read_bytes().splitlines()[-1])
+    # only digits grow (the round's, the mark's byte count), never by a round's history
+    assert max(sizes) - min(sizes) <= 6 < line, (sizes, line)
+    got = checkpoint.load(tmp_path)
+    assert got is not None and got.round == 30
+    rounds, selected = _replayed(got)
+    assert rounds == list(range(1, 31)) and selected[100] == 30 and selected[7] == 7
+    assert len((tmp_path / "ledger.jsonl").read_bytes().splitlines()) == 30
+
+
+@pytest.mark.parametrize("damage", ["flip-last-line", "truncate-last-line"])
+def test_a_damaged_journal_falls_back_to_the_checkpoint_whose_prefix_is_intact(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str
+) -> None:
+    journal = checkpoint.Journal(tmp_path, None)
+    for r in (1, 2):
+        checkpoint.save(tmp_path, _journaled(r), journal)
+    path = tmp_path / "ledger.jsonl"
+    first, second = path.read_bytes().splitlines(keepends=True)
+    if damage == "flip-last-line":
+        path.write_bytes(first + second.replace(b'"round": 2', b'"round": 9'))
+    else:
+        path.write_bytes(first + second[:10])
+    with caplog.at_level(logging.WARNING, logger="fedfleet.server"):
+        got = checkpoint.load(tmp_path)
+    assert got is not None and got.round == 1 and _replayed(got) == ([1], {1: 1, 100: 1})
+    assert "ledger.jsonl" in _fallback_warning(caplog)
+    # the run goes on from round 1's mark: the damaged line is cut, the next save continues the prefix
+    assert got.mark is not None
+    journal = checkpoint.Journal(tmp_path, got.mark)
+    assert path.read_bytes() == first
+    checkpoint.save(tmp_path, _journaled(2), journal)
+    assert _replayed(checkpoint.load(tmp_path)) == ([1, 2], {1: 1, 2: 2, 100: 2})
+
+
+def test_a_lost_journal_is_one_clear_error(tmp_path: Path) -> None:
+    journal = checkpoint.Journal(tmp_path, None)
+    for r in (1, 2):
+        checkpoint.save(tmp_path, _journaled(r), journal)
+    (tmp_path / "ledger.jsonl").unlink()
+    with pytest.raises(CheckpointError, match=r"no usable checkpoint.*ledger\.jsonl"):
+        checkpoint.load(tmp_path)
+
+
+def test_a_save_that_did_not_finish_leaves_nothing_in_the_replay(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save that fails after its append takes the line back; one killed after it leaves a tail
+    beyond the latest mark, which the next run's journal cuts off."""
+    journal = checkpoint.Journal(tmp_path, None)
+    checkpoint.save(tmp_path, _journaled(1), journal)
+    size = (tmp_path / "ledger.jsonl").stat().st_size
+
+    def disk_full(*_: Any) -> None:
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(checkpoint, "atomic_savez", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        checkpoint.save(tmp_path, _journaled(2), journal)
+    monkeypatch.undo()
+    assert (tmp_path / "ledger.jsonl").stat().st_size == size
+    checkpoint.save(tmp_path, _journaled(2), journal)  # the same changes again, once
+    assert _replayed(checkpoint.load(tmp_path)) == ([1, 2], {1: 1, 2: 2, 100: 2})
+    with (tmp_path / "ledger.jsonl").open("ab") as f:  # killed between its append and its rename
+        f.write(b'{"rows": [{"round": 3}], "devices": []}\n')
+    got = checkpoint.load(tmp_path)
+    assert _replayed(got) == ([1, 2], {1: 1, 2: 2, 100: 2})
+    assert got is not None and got.mark is not None
+    checkpoint.Journal(tmp_path, got.mark)
+    assert (tmp_path / "ledger.jsonl").stat().st_size == got.mark["bytes"]
+
+
+def test_a_checkpoint_from_before_the_journal_still_resumes_and_its_ledger_is_journaled_whole(
+    tmp_path: Path,
+) -> None:
+    """A run checkpointed by an earlier fedfleet (rows and devices in ``state.json``) resumes, and
+    its first new checkpoint's entry holds the whole restored ledger (the journal starts empty)."""
+    from services.server.ledger import RunLedger
+
+    old = RunLedger("e", "fedavg")
+    old.rows.append({"round": 1, "outcome": "completed"})
+    old.stats(3).selected = 1
+    legacy = {
+        "devices": [device_row(s) for s in old.devices.values()],
+        "rows": old.rows,
+        "totals": old.totals,
+        "wall_seconds": 2.0,
+    }
+    checkpoint.save(tmp_path, Checkpoint(1, _ckpt(1).state, legacy), checkpoint.Journal(tmp_path, None))
+    meta = json.loads((tmp_path / "checkpoint" / "state.json").read_text())
+    meta.pop("journal")  # what an earlier fedfleet wrote: no mark
+    (tmp_path / "checkpoint" / "state.json").write_text(json.dumps(meta))
+    sums = {n: checkpoint._sha256(tmp_path / "checkpoint" / n) for n in ("state.npz", "state.json")}
+    (tmp_path / "checkpoint" / "checksums.json").write_text(json.dumps(sums))
+    got = checkpoint.load(tmp_path)
+    assert got is not None and got.mark is None and got.journal == []
+    ledger = RunLedger("e", "fedavg")
+    ledger.restore(got.ledger, got.journal)
+    assert ledger.rows == old.rows and ledger.devices[3].selected == 1
+    ledger.rows.append({"round": 2, "outcome": "completed"})
+    checkpoint.save(
+        tmp_path,
+        Checkpoint(2, _ckpt(2).state, ledger.to_checkpoint(), ledger.to_journal()),
+        checkpoint.Journal(tmp_path, None),
+    )
+    again = RunLedger("e", "fedavg")
+    resumed = checkpoint.load(tmp_path)
+    assert resumed is not None
+    again.restore(resumed.ledger, resumed.journal)
+    assert [r["round"] for r in again.rows] == [1, 2] and again.devices[3].selected == 1
+
+
+def test_the_ledger_journals_only_the_new_rows_and_the_touched_devices() -> None:
+    from services.server.ledger import RunLedger
+
+    ledger = RunLedger("e", "fedavg")
+    for d in range(5):
+        ledger.stats(d).selected += 1
+    ledger.rows.append({"round": 1})
+    (first,) = ledger.to_journal()
+    assert [d["device_id"] for d in first["devices"]] == [0, 1, 2, 3, 4] and first["rows"] == [{"round": 1}]
+    ledger.journaled()
+    ledger.stats(2).completed += 1
+    ledger.rows.append({"round": 2})
+    (second,) = ledger.to_journal()
+    assert [d["device_id"] for d in second["devices"]] == [2] and second["rows"] == [{"round": 2}]
+    assert second["devices"][0]["completed"] == 1 and second["devices"][0]["selected"] == 1
 
 
 def test_fedfleet_says_why_it_cannot_resume_without_a_traceback(tmp_path: Path) -> None:
@@ -279,3 +454,39 @@ def test_device_row_is_asdict_without_the_copy(d: DeviceStats) -> None:
     row, expected = device_row(d), asdict(d)
     assert list(row) == list(expected)
     assert json.dumps(row) == json.dumps(expected)  # NaN-safe equality
+
+
+_extra_columns = st.sampled_from(["m_loss", "m_density", "e_acc_before", "accuracy"])
+_row_values = st.one_of(st.none(), st.integers(0, 10**9), st.floats(allow_nan=True, allow_infinity=False))
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.dictionaries(_extra_columns, _row_values),
+            st.booleans(),
+        ),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_rounds_csv_written_round_by_round_is_the_file_written_at_once(
+    rounds: list[tuple[dict[str, Any], bool]],
+) -> None:
+    """``write_rounds`` appends while no new column appears and rewrites when one does (or when
+    the caller lost track); either way the file equals one written from all rows at once."""
+    import tempfile
+
+    from shared.results import write_rounds
+
+    with tempfile.TemporaryDirectory() as d:
+        run, whole = Path(d) / "run", Path(d) / "whole"
+        run.mkdir()
+        whole.mkdir()
+        rows: list[dict[str, Any]] = []
+        after = None
+        for i, (extra, forget) in enumerate(rounds):
+            rows.append({"round": i + 1, "outcome": "completed", "bytes_up": 10 * i, **extra})
+            after = write_rounds(run, rows, after=None if forget else after)
+            write_rounds(whole, rows)
+            assert (run / "rounds.csv").read_text() == (whole / "rounds.csv").read_text()

@@ -14,7 +14,7 @@ attempts apart (``rounds_lost``), so a run that had to repeat a round is never m
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,6 +82,12 @@ class RunLedger:
     started: float = field(default_factory=time.time)
     #: the server's registry (``registered``): tiers and the registered devices, for untouched ones
     _registry: DeviceRegistry | None = field(default=None, repr=False)
+    #: what changed since the last checkpoint (``to_journal``): devices whose statistics were
+    #: handed out for change, and how many rows the checkpoints already hold
+    _changed: set[int] = field(default_factory=set, repr=False)
+    _rows_journaled: int = field(default=0, repr=False)
+    #: what ``write_rows`` last wrote to ``rounds.csv`` (rows, columns), so it can append
+    _csv: tuple[int, list[str]] | None = field(default=None, repr=False)
 
     @property
     def labels(self) -> tuple[str, str]:
@@ -89,6 +95,8 @@ class RunLedger:
 
     # -- devices -----------------------------------------------------------------------------------
     def stats(self, device: int) -> DeviceStats:
+        """The device's statistics, for reading or changing (noted as changed for the journal)."""
+        self._changed.add(device)
         st = self.devices.get(device)
         if st is None:
             st = self.devices[device] = self._fresh(device)
@@ -240,7 +248,7 @@ class RunLedger:
     # -- results -----------------------------------------------------------------------------------
     def write_rows(self, run_dir: Path) -> None:
         """``rounds.csv`` so far (after every round: a live run can be plotted while it runs)."""
-        write_rounds(run_dir, self.rows)
+        self._csv = write_rounds(run_dir, self.rows, after=self._csv)
 
     def summary(self, meta: dict[str, Any], evaluation: EvaluationState | None) -> dict[str, Any]:
         accs = [r["accuracy"] for r in self.rows if r.get("accuracy") is not None]
@@ -288,7 +296,7 @@ class RunLedger:
             for dev, result in evaluation.results.items():
                 if result.supported and MetricKey.EVAL_ACCURACY in result.metrics:
                     self.stats(dev).eval_accuracy = result.metrics[MetricKey.EVAL_ACCURACY]
-        write_rounds(run_dir, self.rows)
+        self.write_rows(run_dir)
         write_devices(run_dir, self.iter_devices(), in_id_order=True)
         write_summary(run_dir, self.summary(meta, evaluation))
         atomic_savez(run_dir / "global_model.npz", arrays)
@@ -296,18 +304,41 @@ class RunLedger:
 
     # -- checkpoint --------------------------------------------------------------------------------
     def to_checkpoint(self) -> dict[str, Any]:
-        return {
-            "devices": [device_row(s) for s in self.devices.values()],
-            "rows": self.rows,
-            "totals": self.totals,
-            "wall_seconds": self.wall_offset + time.time() - self.started,
-        }
+        """The fixed-size part a checkpoint holds; what grows goes to the journal (``to_journal``)."""
+        return {"totals": self.totals, "wall_seconds": self.wall_offset + time.time() - self.started}
 
-    def restore(self, meta: dict[str, Any]) -> None:
-        self.devices = {d["device_id"]: DeviceStats(**d) for d in meta["devices"]}
-        self.rows = meta["rows"]
+    def to_journal(self) -> list[dict[str, Any]]:
+        """What changed since the last checkpoint (``journaled``): the new rows and the statistics of
+        the devices touched. A checkpoint's replay of all entries up to it rebuilds the ledger
+        (``restore``); one entry per checkpoint keeps a save's cost to what the round changed."""
+        changed = sorted(d for d in self._changed if d in self.devices)
+        return [
+            {
+                "rows": self.rows[self._rows_journaled :],
+                "devices": [device_row(self.devices[d]) for d in changed],
+            }
+        ]
+
+    def journaled(self) -> None:
+        """The checkpoint holding ``to_journal``'s entry was saved: start the next one afresh."""
+        self._changed.clear()
+        self._rows_journaled = len(self.rows)
+
+    def restore(self, meta: dict[str, Any], journal: Sequence[dict[str, Any]] = ()) -> None:
+        """The ledger of a checkpoint: its fixed part, then its journal entries replayed in order (a
+        checkpoint from before the journal holds the rows and devices itself)."""
+        self.devices = {d["device_id"]: DeviceStats(**d) for d in meta.get("devices", ())}
+        self.rows = list(meta.get("rows", ()))
+        for entry in journal:
+            self.rows.extend(entry["rows"])
+            self.devices.update((d["device_id"], DeviceStats(**d)) for d in entry["devices"])
         self.totals = meta["totals"]
         self.wall_offset = float(meta["wall_seconds"])
+        self._csv = None  # the file may hold rows this checkpoint does not: rewrite it
+        if "rows" in meta:  # from before the journal, which starts empty: its first entry holds all
+            self._changed, self._rows_journaled = set(self.devices), 0
+        else:
+            self._changed, self._rows_journaled = set(), len(self.rows)
 
 
 def _evaluation_summary(evaluation: EvaluationState | None) -> dict[str, Any]:

@@ -147,6 +147,8 @@ class Server(ServiceBase):
         self.repeat = repeat if repeat is not None else RepeatPolicy.from_settings()
         #: since when no client host has served any device (None: some host does)
         self._no_hosts_since: float | None = None
+        #: the ledger's journal beside the checkpoints (opened by ``_resume``)
+        self.journal: checkpoint.Journal
         self.resumed = self._resume()
         self.error: str | None = None
         self._phases: dict[Phase, Callable[[float], None]] = {
@@ -1073,18 +1075,24 @@ class Server(ServiceBase):
         )
 
     def _save_checkpoint(self) -> None:
-        ckpt = checkpoint.Checkpoint(self.round, self.state, self.ledger.to_checkpoint())
+        ckpt = checkpoint.Checkpoint(
+            self.round, self.state, self.ledger.to_checkpoint(), self.ledger.to_journal()
+        )
         try:
-            checkpoint.save(self.run_dir, ckpt)
+            checkpoint.save(self.run_dir, ckpt, self.journal)
         except checkpoint.CheckpointError as err:  # the previous checkpoint stays the one to resume
             self.log.error("%s", err, extra={"event": "checkpoint_refused"})
+        else:
+            self.ledger.journaled()
 
     def _resume(self) -> bool:
         ckpt = checkpoint.load(self.run_dir)
+        # appends continue the resumed checkpoint's journal; a new run starts it empty
+        self.journal = checkpoint.Journal(self.run_dir, ckpt.mark if ckpt is not None else None)
         if ckpt is None:
             return False
         self.state, self.round = ckpt.state, ckpt.round
-        self.ledger.restore(ckpt.ledger)
+        self.ledger.restore(ckpt.ledger, ckpt.journal)
         self.log.info(
             "resuming after round %d from %s",
             self.round,

@@ -99,17 +99,34 @@ def _fmt(v: Any) -> Any:
     return "" if v is None else v
 
 
-def write_rounds(run_dir: Path, rows: list[dict[str, Any]]) -> None:
+def write_rounds(
+    run_dir: Path, rows: list[dict[str, Any]], *, after: tuple[int, list[str]] | None = None
+) -> tuple[int, list[str]]:
     """The fixed columns, then any ``m_<metric>`` columns (device-reported metrics an algorithm adds)
     and ``e_<metric>`` columns (extra numbers of the server-side evaluation). The compression ratios
-    are derived here from each row's bytes, so no caller can define them another way."""
-    extra = sorted({k for row in rows for k in row if k.startswith(("m_", "e_"))})
-    columns = ROUND_COLUMNS + extra
-    with (run_dir / "rounds.csv").open("w", newline="") as f:
+    are derived here from each row's bytes, so no caller can define them another way.
+
+    ``after``: what an earlier call returned for the same file, (rows written, columns). When the
+    rows since then bring no new column, they are appended instead of the file being rewritten: the
+    server writes ``rounds.csv`` after every round, and rewriting it made each round of a long run
+    cost O(rounds) (``benchmarks/bench_checkpoint.py``). Returns (rows written, columns) for the next call.
+    """
+    done, columns = after if after is not None else (0, [])
+    if not 0 < done <= len(rows) or not (run_dir / "rounds.csv").exists():
+        done, columns = 0, []
+    extra = {k for row in rows[done:] for k in row if k.startswith(("m_", "e_"))}
+    if done and extra <= set(columns):
+        mode = "a"
+    else:  # the first write, or a new column: the whole file
+        extra |= {k for row in rows[:done] for k in row if k.startswith(("m_", "e_"))}
+        mode, done, columns = "w", 0, ROUND_COLUMNS + sorted(extra)
+    with (run_dir / "rounds.csv").open(mode, newline="") as f:
         w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
-        w.writeheader()
-        for row in map(_with_compression, rows):
+        if mode == "w":
+            w.writeheader()
+        for row in map(_with_compression, rows[done:]):
             w.writerow({k: _fmt(row.get(k)) for k in columns})
+    return len(rows), columns
 
 
 def write_devices(run_dir: Path, devices: Iterable[DeviceStats], *, in_id_order: bool = False) -> None:
