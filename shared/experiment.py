@@ -173,6 +173,14 @@ class Experiment:
         y = self.dataset.y_test
         return {int(c): np.flatnonzero(y == c) for c in np.unique(y)}
 
+    def train_samples(self, device_id: int) -> int:
+        """How many training samples ``device_data`` gives the device, without slicing them out of
+        the dataset where the partition knows (a client reporting a deferred ``ready`` needs only the
+        count; the device's data is sliced once, when it trains)."""
+        if self.cfg.dataset.local_test == "classes" or self.cfg.dataset.local_test_fraction <= 0:
+            return self.partitions.size(device_id)
+        return len(self.device_data(device_id).y_train)  # the local split decides
+
     def device_data(self, device_id: int) -> DeviceData:
         idx = self.partitions[device_id]
         frac = self.cfg.dataset.local_test_fraction

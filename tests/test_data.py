@@ -679,3 +679,29 @@ def test_min_samples_config_reaches_the_partition(tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match="min_samples 6 exceeds the 300 samples"):
         _ = bad.partitions
+
+
+@pytest.mark.parametrize(
+    "dataset",
+    [
+        {"partition": "iid"},
+        {"partition": "dirichlet", "alpha": 0.3},
+        {"partition": "classes", "classes_per_device": 2, "local_test_fraction": 0.3},
+        {"partition": "iid", "local_test_fraction": 0.25, "local_test_split": "stratified"},
+        {"partition": "classes", "classes_per_device": 2, "local_test": "classes"},
+        {"partition": "sampled", "samples_per_device": 7},
+    ],
+    ids=["iid", "dirichlet", "local-split", "stratified-split", "classes-test", "drawn"],
+)
+def test_train_samples_is_what_device_data_trains_on(tmp_path: Path, dataset: dict[str, object]) -> None:
+    """The count a deferred ``ready`` reports (``Experiment.train_samples``, from the partition
+    where it can) is the number of samples the device then trains on."""
+    from shared.config import load_config
+    from shared.experiment import Experiment
+    from tests.conftest import write_config
+
+    cfg = write_config(tmp_path / "c.yaml", num_devices=12, dataset={"name": "digits", **dataset})
+    exp = Experiment.build(load_config(cfg))
+    counts = [exp.train_samples(dev) for dev in range(12)]
+    assert counts == [len(exp.device_data(dev).y_train) for dev in range(12)]
+    assert len(set(counts)) > 1 or dataset.get("samples_per_device") or dataset["partition"] == "iid"

@@ -541,3 +541,31 @@ def test_the_ledger_writes_every_registered_device_but_holds_only_touched_ones(t
     assert sum(v["selected"] for v in tiers.values()) == 1
     assert sum(v["bytes_down"] for v in tiers.values()) == 1000
     assert list(ledger.devices) == [7]  # writing made the others' rows, not their objects
+
+
+def test_partial_add_sums_in_place_only_into_arrays_it_owns() -> None:
+    """``Partial.add`` adds into the partial's own float64 arrays (no temporary per update) with the
+    values ``mine + arr`` gives, bit for bit; it never writes into the other side, nor into an array
+    it does not own (a view of a message, as ``from_wire`` makes)."""
+    from shared import codec
+    from shared.algorithms.base import Partial
+
+    rng = np.random.default_rng(0)
+    updates = [rng.standard_normal((5, 7)).astype(np.float32) * 10.0**k for k in range(-3, 4)]
+    partial, reference = Partial(), updates[0].astype(np.float64)
+    partial.add(Partial({"w": updates[0]}))
+    own = partial.arrays["w"]
+    for u in updates[1:]:
+        before = u.copy()
+        partial.add(Partial({"w": u}))
+        reference = reference + u
+        np.testing.assert_array_equal(u, before)
+    assert partial.arrays["w"] is own  # summed where it lies
+    assert partial.arrays["w"].tobytes() == reference.tobytes()
+
+    message = bytearray(np.ones(6, np.float64).tobytes())
+    view = np.frombuffer(message, np.float64)
+    wired = Partial.from_wire({"w": codec.Dense(view)}, {})
+    wired.add(Partial({"w": np.full(6, 2.0)}))
+    assert np.frombuffer(message, np.float64).tolist() == [1.0] * 6  # the message is untouched
+    assert wired.arrays["w"].tolist() == [3.0] * 6

@@ -564,7 +564,7 @@ class Client(ServiceBase):
         if not self.ready_protocol or self.emulation.time_mode == "real":
             return False
         dev = device.device_id
-        samples = len(self.data[dev].y_train)
+        samples = self.exp.train_samples(dev)
         template = self.strategy.update_before_training(task, samples)
         if template is None:
             return False

@@ -115,10 +115,27 @@ class Partial:
     scalars: dict[str, float] = field(default_factory=dict)
 
     def add(self, other: Partial) -> Partial:
-        """Elementwise sum, in place; names present in only one side are kept."""
+        """Elementwise sum, in place; names present in only one side are kept.
+
+        An array this partial owns (made by an earlier ``add``: a copy) is added into where it lies,
+        the same sum as ``mine + arr`` without a new float64 array per update (an aggregator adds
+        every update of a round into the same partial: at 10,000 devices the temporaries were a
+        tenth of its time). An array it does not own (``from_wire``: a view of a message) is
+        never written; it is replaced by the sum, as before.
+        """
         for name, arr in other.arrays.items():
             mine = self.arrays.get(name)
-            self.arrays[name] = arr.astype(np.float64, copy=True) if mine is None else mine + arr
+            if mine is None:
+                self.arrays[name] = arr.astype(np.float64, copy=True)
+            elif (
+                mine.flags.owndata
+                and mine.flags.writeable
+                and mine.shape == arr.shape
+                and np.result_type(mine, arr) == mine.dtype
+            ):
+                np.add(mine, arr, out=mine)
+            else:
+                self.arrays[name] = mine + arr
         for name, val in other.scalars.items():
             self.scalars[name] = self.scalars.get(name, 0.0) + val
         return self
