@@ -135,8 +135,9 @@ class RunLedger:
         statistics are made when something happens to it, not here."""
         self._registry = registry
         for device, st in self.devices.items():
-            if device in registry:
-                st.tier = registry.tier(device)
+            if device in registry and st.tier != (tier := registry.tier(device)):
+                st.tier = tier
+                self._changed.add(device)  # journaled with the next checkpoint
         for tier, n in registry.tier_counts().items():
             metrics.REGISTERED_DEVICES.labels(self.experiment, tier).set(n)
 
