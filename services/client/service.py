@@ -117,6 +117,20 @@ class _Held:
     device: Device
 
 
+@dataclass(frozen=True)
+class _Received:
+    """A task as its device received it: what training, ``ready``, encoding and the upload all need
+    of it (one record instead of the same five arguments on every step)."""
+
+    env: Envelope
+    msg: Task
+    device: Device
+    #: what the emulated device downloaded: the task and its payload, as one message
+    task_bytes: int
+    #: the download's emulated seconds
+    down_s: float
+
+
 @dataclass
 class _Deferred:
     """A task whose device reported ``ready`` before training, because its finish time follows from
@@ -128,12 +142,8 @@ class _Deferred:
     ``up_s`` and ``size`` are what ``ready`` reported, and the update is checked against them.
     """
 
-    env: Envelope
-    msg: Task
+    got: _Received
     task: TaskSpec
-    device: Device
-    task_bytes: int
-    down_s: float
     compute_s: float
     flops: int
     up_s: float
@@ -481,13 +491,11 @@ class Client(ServiceBase):
         # what the emulated device downloads: its task and the payload, as one message
         task_bytes = len(d.body) + msg.payload_bytes
         if self._admitted(env, msg, task, device, task_bytes, d):
-            down_s = self._download(task, device, task_bytes)
-            if not self._dropped_out(env, msg, device, task_bytes, d) and not self._defer(
-                env, msg, task, device, task_bytes, down_s, d
-            ):
+            got = _Received(env, msg, device, task_bytes, self._download(task, device, task_bytes))
+            if not self._dropped_out(env, msg, device, task_bytes, d) and not self._defer(got, task, d):
                 update, compute_s = self._train(env, task, device)
                 self._sync_state(dev)  # before the update: the server has it before the round ends
-                self._deliver(env, msg, update, device, task_bytes, down_s, compute_s, d)
+                self._deliver(got, update, compute_s, d)
         self.ack_unless_queued(d)  # an answer waiting for the flush acks it once published
         # a turn may train many tasks (``processes.client_prefetch``): the heartbeat must not wait
         # for its end, or a host busy with slow tasks would lose its lease
@@ -544,16 +552,7 @@ class Client(ServiceBase):
             self._notify(env, msg, notice, Kind.REJECT, d)
         return True
 
-    def _defer(
-        self,
-        env: Envelope,
-        msg: Task,
-        task: TaskSpec,
-        device: Device,
-        task_bytes: int,
-        down_s: float,
-        d: Delivery,
-    ) -> bool:
+    def _defer(self, got: _Received, task: TaskSpec, d: Delivery) -> bool:
         """In a first-finishers round in virtual time, report ``ready`` before training when the
         strategy knows the update's size and cost from the task; True if it did (``_Deferred``).
 
@@ -563,6 +562,7 @@ class Client(ServiceBase):
         device's time."""
         if not self.ready_protocol or self.emulation.time_mode == "real":
             return False
+        env, msg, device = got.env, got.msg, got.device
         dev = device.device_id
         samples = self.exp.train_samples(dev)
         template = self.strategy.update_before_training(task, samples)
@@ -575,14 +575,12 @@ class Client(ServiceBase):
             size = self._predicted_size(env, msg, template)
             up_s = transfer_seconds(size, device.profile.uplink_bps, device.profile.latency_s)
         else:  # keyless (no sender checks): no MAC, so ``device_size`` does not apply; measure an encoding
-            sized = self._encode_update(env, msg, template, device, task_bytes, down_s, compute_s, body=False)
+            sized = self._encode_update(got, template, compute_s, body=False)
             size, up_s = sized.size, sized.upload_s
         slot = (env.inc, env.round, dev)
         self._forget(slot)  # a redelivered task's earlier answer: replaced
-        self.deferred[slot] = _Deferred(
-            env, msg, task, device, task_bytes, down_s, compute_s, flops, up_s, size
-        )
-        ready = Ready(device_id=dev, finish_s=down_s + compute_s + up_s, update_bytes=size)
+        self.deferred[slot] = _Deferred(got, task, compute_s, flops, up_s, size)
+        ready = Ready(device_id=dev, finish_s=got.down_s + compute_s + up_s, update_bytes=size)
         self._notify(env, msg, ready, Kind.READY, d)
         return True
 
@@ -617,12 +615,13 @@ class Client(ServiceBase):
 
     def _train_deferred(self, job: _Deferred, d: Delivery) -> None:
         """The ``go`` kept a deferred device: train it now and upload, as ``ready`` announced."""
-        dev, tier = job.device.device_id, job.device.tier
+        got = job.got
+        dev, tier = got.device.device_id, got.device.tier
         # the device's data as any training takes it; leases change between rounds, but a device
         # that is no longer served here still trains what its ``ready`` promised
         data = self.data[dev] if dev in self.data else self.exp.device_data(dev)
         started = time.perf_counter()
-        update = self.strategy.train(job.task, self._context(dev, job.env.round, data))
+        update = self.strategy.train(job.task, self._context(dev, got.env.round, data))
         metrics.CLIENT_TRAIN_SECONDS.labels(self.experiment, self.algorithm, tier).observe(
             time.perf_counter() - started
         )
@@ -641,9 +640,7 @@ class Client(ServiceBase):
             dev, {**update.metrics, MetricKey.TRAIN_FLOPS: float(job.flops)}
         )
         self._sync_state(dev)
-        enc = self._encode_update(
-            job.env, job.msg, update, job.device, job.task_bytes, job.down_s, job.compute_s, upload_s=job.up_s
-        )
+        enc = self._encode_update(got, update, job.compute_s, upload_s=job.up_s)
         if enc.size != job.size:  # the strategy's update_before_training does not describe its train
             self.log.error(
                 "device %d uploads %d bytes, %d announced in ready (%s.update_before_training is wrong)",
@@ -653,7 +650,7 @@ class Client(ServiceBase):
                 type(self.strategy).__name__,
                 extra={"event": "ready_size_mismatch", "device": dev},
             )
-        self._upload(enc.data, enc.dense_bytes, job.device, job.up_s, d)
+        self._upload(enc.data, enc.dense_bytes, got.device, job.up_s, d)
 
     def _train(self, env: Envelope, task: TaskSpec, device: Device) -> tuple[UpdateSpec, float]:
         """Train with the strategy's client half; returns the update and the emulated compute seconds
@@ -667,7 +664,7 @@ class Client(ServiceBase):
         # a strategy whose cost depends on what training produced (e.g. the density SpaFL reached)
         # reports it; otherwise the accountant's count of the task
         reported = update.metrics.get(MetricKey.TRAIN_FLOPS)
-        flops = int(reported) if reported else self.strategy.task_flops(task, len(self.data[dev].y_train))
+        flops = int(reported) if reported else self.strategy.task_flops(task, self.exp.train_samples(dev))
         compute_s = emulate_compute(
             flops, device.profile, mode=mode, time_factor=factor, measured_s=trained_s
         )
@@ -689,20 +686,11 @@ class Client(ServiceBase):
             )
         return {k: v for k, v in reported.items() if k not in bad}
 
-    def _deliver(
-        self,
-        env: Envelope,
-        msg: Task,
-        update: UpdateSpec,
-        device: Device,
-        task_bytes: int,
-        down_s: float,
-        compute_s: float,
-        d: Delivery,
-    ) -> None:
+    def _deliver(self, got: _Received, update: UpdateSpec, compute_s: float, d: Delivery) -> None:
         """Encode the update and upload it — or, in first-finishers rounds, hold it and report ``ready``."""
+        env, msg, device, down_s = got.env, got.msg, got.device, got.down_s
         dev = device.device_id
-        enc = self._encode_update(env, msg, update, device, task_bytes, down_s, compute_s)
+        enc = self._encode_update(got, update, compute_s)
         if self.ready_protocol:
             slot = (env.inc, env.round, dev)
             self._forget(slot)  # a redelivered task's earlier answer: replaced
@@ -714,12 +702,8 @@ class Client(ServiceBase):
 
     def _encode_update(
         self,
-        env: Envelope,
-        msg: Task,
+        got: _Received,
         update: UpdateSpec,
-        device: Device,
-        task_bytes: int,
-        down_s: float,
         compute_s: float,
         *,
         upload_s: float | None = None,
@@ -727,6 +711,7 @@ class Client(ServiceBase):
     ) -> _Encoded:
         """The update's message and the device's upload of it (``upload_s``: the upload's emulated
         seconds when already known, else from the size); ``body=False``: only the size and seconds."""
+        env, msg, device, task_bytes, down_s = got.env, got.msg, got.device, got.task_bytes, got.down_s
         dev = device.device_id
         tensors, dense = encode_tensors(update.tensors)
 
