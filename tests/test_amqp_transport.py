@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import os
 import subprocess
@@ -18,6 +19,8 @@ from typing import Any
 
 import pika
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 
 from shared.transport import BrokerUnavailable, Delivery, Unroutable
@@ -479,3 +482,87 @@ def test_a_dead_letter_survives_a_deleted_dead_letter_queue(broker_url: str, exp
 def _sample(name: str, experiment: str, reason: str | None = None) -> float:
     labels = {"experiment": experiment} | ({"reason": reason} if reason else {})
     return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+@functools.cache
+def _frames_stream() -> bytes:
+    """Marshalled AMQP frames of the kinds a consumer reads: methods, content headers, body frames
+    of several sizes (128 KiB ones, as a large message's), heartbeats."""
+    import pika.frame
+    import pika.spec
+
+    out = [pika.frame.ProtocolHeader().marshal()]
+    for i, size in enumerate((0, 17, 131_064, 300_000)):
+        deliver = pika.spec.Basic.Deliver("ctag", i + 1, False, "ff.x", "update")
+        out.append(pika.frame.Method(1, deliver).marshal())
+        out.append(pika.frame.Header(1, size, pika.spec.BasicProperties(user_id="u")).marshal())
+        body = (bytes(range(251)) * (size // 251 + 1))[i : i + size]
+        out += [pika.frame.Body(1, body[k : k + 131_064]).marshal() for k in range(0, size, 131_064)]
+        out.append(pika.frame.Heartbeat().marshal())
+    return b"".join(out)
+
+
+class _Conn:
+    """What ``_on_data_available`` touches of a pika ``Connection``."""
+
+    def __init__(self) -> None:
+        self._frame_buffer = b""
+        self.bytes_received = 0
+        self.seen: list[tuple[str, Any]] = []
+        self.on_frame: Any = None
+
+    def _read_frame(self) -> Any:  # what pika's own version calls
+        import pika.frame
+
+        return pika.frame.decode_frame(self._frame_buffer)
+
+    def _trim_frame_buffer(self, n: int) -> None:
+        self._frame_buffer = self._frame_buffer[n:]
+        self.bytes_received += n
+
+    def _process_frame(self, f: Any) -> None:
+        import pika.frame
+
+        key = f.fragment if isinstance(f, pika.frame.Body) else f.marshal()
+        self.seen.append((type(f).__name__, bytes(key)))
+        if self.on_frame is not None:
+            self.on_frame(self)
+
+
+@given(st.lists(st.integers(1, 400_000), max_size=12), st.integers(0, 5))
+@settings(max_examples=60, deadline=None)
+def test_frames_parsed_in_place_are_pikas_frames(cuts: list[int], reenter_at: int) -> None:
+    """The same reads, cut anywhere (mid-header, mid-body, several frames per read), give the same
+    frames in the same order, the same ``bytes_received`` and the same partial frame left over with
+    fedfleet's ``_on_data_available`` as with pika's own; a read handed in while a frame is
+    processed (re-entry) is parsed after the frames before it, in order."""
+    from shared.transport import amqp
+
+    stream = _frames_stream()
+    stream += stream[:5]  # a partial frame header at the end
+    bounds = sorted({min(c, len(stream)) for c in cuts} | {len(stream)})
+    reads = [stream[a:b] for a, b in zip([0, *bounds[:-1]], bounds, strict=True) if b > a]
+    ours, pikas = _Conn(), _Conn()
+    for r in reads:
+        amqp.PIKA_ON_DATA_AVAILABLE(pikas, r)
+    following = iter(reads)
+
+    def hand_in(conn: _Conn) -> None:  # the next read arrives while the reenter_at-th frame is processed
+        if reenter_at and len(conn.seen) == reenter_at and (nxt := next(following, None)) is not None:
+            amqp._on_data_available(conn, nxt)
+
+    ours.on_frame = hand_in
+    for r in following:
+        amqp._on_data_available(ours, r)
+    assert ours.seen == pikas.seen
+    assert ours.bytes_received == pikas.bytes_received == len(stream) - 5
+    assert ours._frame_buffer == pikas._frame_buffer == stream[-5:]
+
+
+def test_pika_connections_parse_frames_in_place() -> None:
+    import pika.connection
+
+    from shared.transport import amqp
+
+    assert pika.connection.Connection._on_data_available is amqp._on_data_available
+    assert amqp.PIKA_ON_DATA_AVAILABLE is not amqp._on_data_available
