@@ -29,7 +29,7 @@ from services.server.checkpoint import Checkpoint, CheckpointError
 from shared.algorithms.base import ServerState
 from shared.config import BoundsConfig, ConfigError, RobustConfig, TrainConfig, load_config
 from shared.experiment import Experiment
-from shared.results import DeviceStats, device_row
+from shared.results import DEVICE_COLUMNS, DeviceStats, device_row
 from tests.conftest import write_config
 
 
@@ -226,7 +226,8 @@ def _journaled(round: int) -> Checkpoint:
     and 100 (so device 100's statistics change in every entry: the replay must keep the last)."""
     entry = {
         "rows": [{"round": round, "accuracy": 0.1 * round}],
-        "devices": [device_row(DeviceStats(d, selected=round)) for d in (round, 100)],
+        "device_columns": DEVICE_COLUMNS,
+        "devices": [list(device_row(DeviceStats(d, selected=round)).values()) for d in (round, 100)],
     }
     return Checkpoint(round, _ckpt(round).state, {"totals": {}, "wall_seconds": 1.0}, [entry])
 
@@ -235,7 +236,8 @@ def _replayed(ckpt: Checkpoint | None) -> tuple[list[int], dict[int, int]]:
     """(rows' rounds, device → selected) of a loaded checkpoint's journal, replayed in order."""
     assert ckpt is not None
     rounds = [r["round"] for e in ckpt.journal for r in e["rows"]]
-    selected = {d["device_id"]: d["selected"] for e in ckpt.journal for d in e["devices"]}
+    rows = [dict(zip(e["device_columns"], d, strict=True)) for e in ckpt.journal for d in e["devices"]]
+    selected = {d["device_id"]: d["selected"] for d in rows}
     return rounds, selected
 
 
@@ -366,13 +368,19 @@ def test_the_ledger_journals_only_the_new_rows_and_the_touched_devices() -> None
         ledger.stats(d).selected += 1
     ledger.rows.append({"round": 1})
     (first,) = ledger.to_journal()
-    assert [d["device_id"] for d in first["devices"]] == [0, 1, 2, 3, 4] and first["rows"] == [{"round": 1}]
+    assert first["device_columns"] == DEVICE_COLUMNS and first["rows"] == [{"round": 1}]
+    assert [d[0] for d in first["devices"]] == [0, 1, 2, 3, 4]
     ledger.journaled()
     ledger.stats(2).completed += 1
     ledger.rows.append({"round": 2})
     (second,) = ledger.to_journal()
-    assert [d["device_id"] for d in second["devices"]] == [2] and second["rows"] == [{"round": 2}]
-    assert second["devices"][0]["completed"] == 1 and second["devices"][0]["selected"] == 1
+    assert second["rows"] == [{"round": 2}]
+    assert [dict(zip(DEVICE_COLUMNS, d, strict=True)) for d in second["devices"]] == [
+        device_row(DeviceStats(2, selected=1, completed=1))
+    ]
+    again = RunLedger("e", "fedavg")  # the replay of both entries is the ledger
+    again.restore(ledger.to_checkpoint(), [first, second])
+    assert again.rows == ledger.rows and again.devices == ledger.devices
 
 
 def test_fedfleet_says_why_it_cannot_resume_without_a_traceback(tmp_path: Path) -> None:
