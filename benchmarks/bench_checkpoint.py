@@ -79,8 +79,11 @@ def _row(r: int) -> dict[str, Any]:
     }
 
 
-def one_run(registered: int, per_round: int, params: int, rounds: int, seed: int = 0) -> list[float]:
-    """Milliseconds of bookkeeping for each round of a simulated run."""
+def one_run(
+    registered: int, per_round: int, params: int, rounds: int, seed: int = 0
+) -> tuple[list[float], int]:
+    """Milliseconds of bookkeeping for each round of a simulated run, and the bytes the run left in
+    its ledger journal (0 for the code before the journal)."""
     rng = np.random.default_rng(seed)
     arrays = {"w": rng.standard_normal(params).astype(np.float32)}
     journaled = hasattr(checkpoint, "Journal")  # else the code from before the ledger journal
@@ -111,7 +114,8 @@ def one_run(registered: int, per_round: int, params: int, rounds: int, seed: int
             else:
                 checkpoint.save(run_dir, checkpoint.Checkpoint(r, state, ledger.to_checkpoint()))  # type: ignore[call-arg]
             out.append((time.perf_counter() - start) * 1000)
-    return out
+        journal_file = run_dir / "ledger.jsonl"
+        return out, journal_file.stat().st_size if journal_file.exists() else 0
 
 
 def _around(ms: Sequence[float], r: int) -> float:
@@ -124,17 +128,20 @@ def run(rounds_scale: float = 1.0) -> str:
     lines = [
         "Wall ms of one round's bookkeeping on the server (`rounds.csv` and the checkpoint, as "
         "`Server._finalize` does them), replayed without training or messaging; each cell is the "
-        "median of the 9 rounds around that round. The model's arrays are float32.",
+        "median of the 9 rounds around that round. The model's arrays are float32. The journal "
+        "(`ledger.jsonl`) grows by what changed each round: its size at the end / the rounds.",
         "",
-        "| scenario | rounds | " + " | ".join(f"point {i}" for i in range(1, 5)) + " |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| scenario | rounds | "
+        + " | ".join(f"point {i}" for i in range(1, 5))
+        + " | journal bytes per round |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name, registered, per_round, params, rounds, points in SCENARIOS:
         n = max(points[0], int(rounds * rounds_scale))
         shown = [p for p in points if p <= n]
-        ms = one_run(registered, per_round, params, n)
+        ms, journal_bytes = one_run(registered, per_round, params, n)
         cells = [f"{_around(ms, p):.1f} ms (r {p})" for p in shown] + ["-"] * (4 - len(shown))
-        lines.append(f"| {name} | {n} | " + " | ".join(cells) + " |")
+        lines.append(f"| {name} | {n} | " + " | ".join(cells) + f" | {journal_bytes / n:,.0f} |")
     return "\n".join(lines) + "\n"
 
 
