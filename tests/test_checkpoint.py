@@ -8,10 +8,12 @@ saved. Config values such as ``train.lr: .inf`` are refused wherever they appear
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -219,6 +221,8 @@ def test_a_server_resumes_from_the_previous_checkpoint_and_ends_like_an_uninterr
     assert devices(again) == devices(clean)
     assert [r["bytes_up"] for r in again.server.rows] == [r["bytes_up"] for r in clean.server.rows]
     assert (run / "rounds.csv").read_text().count("\n") == 4  # header + 3 rows, none twice
+    # the per-tier sums of summary.json do not depend on the order the ledger was rebuilt in
+    assert again.server.summary()["tiers"] == clean.server.summary()["tiers"]
 
 
 def _journaled(round: int) -> Checkpoint:
@@ -320,6 +324,56 @@ def test_a_save_that_did_not_finish_leaves_nothing_in_the_replay(
     assert (tmp_path / "ledger.jsonl").stat().st_size == got.mark["bytes"]
 
 
+def test_a_disk_that_fills_during_the_append_leaves_no_partial_line(tmp_path: Path) -> None:
+    """The append itself can fail half-way (ENOSPC after some bytes reached the file): the half
+    line is cut, so the next save's line follows whole lines and the journal still replays."""
+    journal = checkpoint.Journal(tmp_path, None)
+    checkpoint.save(tmp_path, _journaled(1), journal)
+    size = (tmp_path / "ledger.jsonl").stat().st_size
+
+    class HalfWriter:
+        def __init__(self, f: Any) -> None:
+            self.f = f
+
+        def write(self, data: bytes) -> int:
+            self.f.write(data[: len(data) // 2])
+            self.f.flush()
+            raise OSError("No space left on device")
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.f, name)
+
+    class FullDisk(type(tmp_path)):  # type: ignore[misc]
+        @contextlib.contextmanager
+        def open(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
+            with Path(self).open(*args, **kwargs) as f:
+                yield HalfWriter(f)
+
+    real, journal.path = journal.path, FullDisk(journal.path)
+    with pytest.raises(OSError, match="No space"):
+        checkpoint.save(tmp_path, _journaled(2), journal)
+    journal.path = real
+    assert (tmp_path / "ledger.jsonl").stat().st_size == size
+    checkpoint.save(tmp_path, _journaled(2), journal)
+    assert _replayed(checkpoint.load(tmp_path)) == ([1, 2], {1: 1, 2: 2, 100: 2})
+
+
+def test_a_resume_reads_the_journal_one_line_at_a_time(tmp_path: Path) -> None:
+    """A loaded checkpoint's entries come from disk as they are iterated, not as one list (a long
+    run's journal parsed whole would take several times its size in memory), and each iteration
+    reads them again, whole and in order."""
+    journal = checkpoint.Journal(tmp_path, None)
+    for r in (1, 2, 3):
+        checkpoint.save(tmp_path, _journaled(r), journal)
+    got = checkpoint.load(tmp_path)
+    assert got is not None
+    assert not isinstance(got.journal, list)
+    entries = iter(got.journal)
+    assert next(entries)["rows"] == [{"round": 1, "accuracy": 0.1}]
+    assert _replayed(got) == ([1, 2, 3], {1: 1, 2: 2, 3: 3, 100: 3})
+    assert _replayed(got) == ([1, 2, 3], {1: 1, 2: 2, 3: 3, 100: 3})
+
+
 def test_a_checkpoint_from_before_the_journal_still_resumes_and_its_ledger_is_journaled_whole(
     tmp_path: Path,
 ) -> None:
@@ -343,7 +397,7 @@ def test_a_checkpoint_from_before_the_journal_still_resumes_and_its_ledger_is_jo
     sums = {n: checkpoint._sha256(tmp_path / "checkpoint" / n) for n in ("state.npz", "state.json")}
     (tmp_path / "checkpoint" / "checksums.json").write_text(json.dumps(sums))
     got = checkpoint.load(tmp_path)
-    assert got is not None and got.mark is None and got.journal == []
+    assert got is not None and got.mark is None and list(got.journal) == []
     ledger = RunLedger("e", "fedavg")
     ledger.restore(got.ledger, got.journal)
     assert ledger.rows == old.rows and ledger.devices[3].selected == 1
@@ -381,6 +435,23 @@ def test_the_ledger_journals_only_the_new_rows_and_the_touched_devices() -> None
     again = RunLedger("e", "fedavg")  # the replay of both entries is the ledger
     again.restore(ledger.to_checkpoint(), [first, second])
     assert again.rows == ledger.rows and again.devices == ledger.devices
+
+
+def test_the_summary_of_a_replayed_ledger_equals_the_live_one_to_the_last_bit() -> None:
+    """Devices are touched in any order during a run, and a replay rebuilds them in the journal's
+    order: the per-tier float sums must not depend on which, or a resumed run's summary.json would
+    differ from an uninterrupted one's in the last bits (here 1e16 + 1 + 1 ≠ 1 + 1 + 1e16)."""
+    from services.server.ledger import RunLedger
+
+    ledger = RunLedger("e", "fedavg")
+    for d, seconds in ((5, 1e16), (1, 1.0), (3, 1.0)):
+        ledger.stats(d).virtual_seconds = seconds
+    again = RunLedger("e", "fedavg")
+    again.restore(ledger.to_checkpoint(), ledger.to_journal())
+    assert list(again.devices) != list(ledger.devices)  # the orders differ ...
+    tiers = ledger.summary({}, None)["tiers"]
+    assert again.summary({}, None)["tiers"] == tiers  # ... the sums do not
+    assert next(iter(tiers.values()))["virtual_seconds"] == 1e16 + 2
 
 
 def test_fedfleet_says_why_it_cannot_resume_without_a_traceback(tmp_path: Path) -> None:

@@ -39,6 +39,7 @@ import json
 import logging
 import shutil
 import zipfile
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
@@ -73,8 +74,9 @@ class Checkpoint:
     #: the run ledger's fixed-size part (``RunLedger.to_checkpoint``), kept in ``state.json``
     ledger: dict[str, Any]
     #: on save, what this checkpoint adds to the journal (``RunLedger.to_journal``: usually one
-    #: entry); on load, every entry up to the checkpoint's mark, in order
-    journal: list[dict[str, Any]] = field(default_factory=list)
+    #: entry); on load, every entry up to the checkpoint's mark, in order (:class:`JournalEntries`,
+    #: read from disk as it is iterated)
+    journal: Iterable[dict[str, Any]] = field(default_factory=list)
     #: on load, the checkpoint's mark (None: a checkpoint from before the journal, or none)
     mark: Mark | None = None
 
@@ -91,19 +93,23 @@ class Journal:
         """Open ``run_dir``'s journal cut to ``mark`` (None: empty), so that appends continue the
         prefix the resumed checkpoint verified. ``mark`` must be one ``load`` returned."""
         self.path = run_dir / JOURNAL
-        prefix = _journal_prefix(self.path, mark) if mark is not None else b""
+        self._hash = _verified(self.path, mark, parse=False) if mark is not None else hashlib.sha256()
+        self._size = mark["bytes"] if mark is not None else 0
         run_dir.mkdir(parents=True, exist_ok=True)
         with self.path.open("ab") as f:
-            f.truncate(len(prefix))
-        self._hash = hashlib.sha256(prefix)
-        self._size = len(prefix)
+            f.truncate(self._size)
         self._before: tuple[Any, int] | None = None
 
     def append(self, data: bytes) -> Mark:
         """Append ``data`` (whole lines); returns the mark of the journal after it."""
         self._before = (self._hash.copy(), self._size)
         with self.path.open("ab") as f:
-            f.write(data)
+            try:
+                f.write(data)
+                f.flush()
+            except BaseException:  # e.g. a full disk: no partial line may stay behind
+                f.truncate(self._size)
+                raise
         self._hash.update(data)
         self._size += len(data)
         return Mark(bytes=self._size, sha256=self._hash.hexdigest())
@@ -118,29 +124,56 @@ class Journal:
             f.truncate(self._size)
 
 
-def _journal_prefix(path: Path, mark: Mark) -> bytes:
-    """The first ``mark["bytes"]`` bytes of the journal, or :class:`CheckpointError` if they are
-    missing or differ from what the checkpoint recorded."""
+def _lines(path: Path, nbytes: int) -> Iterator[bytes]:
+    """The journal's lines within its first ``nbytes`` bytes, one at a time (never all of it in
+    memory: at 1,300 devices a round the journal grows ~87 KB a round, and its parsed entries take
+    several times that)."""
+    with path.open("rb") as f:
+        while nbytes > 0:
+            line = f.readline(nbytes)
+            if not line:
+                return
+            nbytes -= len(line)
+            yield line
+
+
+def _verified(path: Path, mark: Mark, *, parse: bool) -> Any:
+    """The SHA-256 object of the journal's first ``mark["bytes"]`` bytes once they match ``mark``
+    (``parse``: and every line in them is a JSON object), else :class:`CheckpointError`. A line
+    that does not parse is reported only after the hash: a flipped byte reads as corrupt."""
+    digest, size, bad = hashlib.sha256(), 0, ""
     try:
-        with path.open("rb") as f:
-            data = f.read(mark["bytes"])
+        for line in _lines(path, mark["bytes"]):
+            digest.update(line)
+            size += len(line)
+            if parse and not bad:
+                try:
+                    if not isinstance(json.loads(line), dict):
+                        bad = "holds a line that is not an object"
+                except ValueError as err:
+                    bad = f"unreadable ({err})"
     except OSError as err:
         raise CheckpointError(f"{JOURNAL} unreadable ({err})") from None
-    if len(data) < mark["bytes"]:
+    if size < mark["bytes"]:
         raise CheckpointError(f"{JOURNAL} is shorter than the checkpoint's mark (truncated)")
-    if hashlib.sha256(data).hexdigest() != mark["sha256"]:
+    if digest.hexdigest() != mark["sha256"]:
         raise CheckpointError(f"{JOURNAL} does not match the checkpoint's mark (corrupt)")
-    return data
+    if bad:
+        raise CheckpointError(f"{JOURNAL} {bad}")
+    return digest
 
 
-def _replay(path: Path, mark: Mark) -> list[dict[str, Any]]:
-    try:
-        entries = [json.loads(line) for line in _journal_prefix(path, mark).splitlines()]
-    except ValueError as err:
-        raise CheckpointError(f"{JOURNAL} unreadable ({err})") from None
-    if not all(isinstance(e, dict) for e in entries):
-        raise CheckpointError(f"{JOURNAL} holds a line that is not an object")
-    return entries
+class JournalEntries:
+    """A verified journal prefix's entries, parsed one line at a time on each iteration, so that a
+    resume never holds the whole history at once (``RunLedger.restore`` folds them as they come)."""
+
+    def __init__(self, path: Path, mark: Mark) -> None:
+        self.path, self.nbytes = path, mark["bytes"]
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for line in _lines(self.path, self.nbytes):
+            entry: dict[str, Any] = json.loads(line)
+            yield entry
 
 
 def _sha256(path: Path) -> str:
@@ -244,7 +277,10 @@ def _read(path: Path, *, replay: bool = False) -> Checkpoint:
         ):
             raise CheckpointError(f"{META} holds no valid journal mark")
         mark = Mark(bytes=found["bytes"], sha256=found["sha256"])
-    entries = _replay(path.parent / JOURNAL, mark) if replay and mark is not None else []
+    entries: Iterable[dict[str, Any]] = []
+    if replay and mark is not None:
+        _verified(path.parent / JOURNAL, mark, parse=True)
+        entries = JournalEntries(path.parent / JOURNAL, mark)
     state = ServerState(arrays, state_meta)
     return Checkpoint(round=round_, state=state, ledger=meta, journal=entries, mark=mark)
 

@@ -14,7 +14,7 @@ attempts apart (``rounds_lost``), so a run that had to repeat a round is never m
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -259,7 +259,9 @@ class RunLedger:
             for tier, n in self._registry.tier_counts().items():
                 tiers[tier] = dict.fromkeys(("devices", *_PER_DEVICE), 0)
                 tiers[tier]["devices"] = n
-        for st in self.devices.values():
+        # id order, not insertion order: a resumed ledger is rebuilt in id order, and float sums
+        # must not depend on which of the two ran (summary.json equal to the last bit)
+        for st in sorted(self.devices.values(), key=lambda st: st.device_id):
             t = tiers.get(st.tier)
             if t is None or self._registry is None or st.device_id not in self._registry:
                 t = tiers.setdefault(st.tier, dict.fromkeys(("devices", *_PER_DEVICE), 0))
@@ -329,7 +331,7 @@ class RunLedger:
         self._changed.clear()
         self._rows_journaled = len(self.rows)
 
-    def restore(self, meta: dict[str, Any], journal: Sequence[dict[str, Any]] = ()) -> None:
+    def restore(self, meta: dict[str, Any], journal: Iterable[dict[str, Any]] = ()) -> None:
         """The ledger of a checkpoint: its fixed part, then its journal entries replayed in order (a
         checkpoint from before the journal holds the rows and devices itself)."""
         self.devices = {d["device_id"]: DeviceStats(**d) for d in meta.get("devices", ())}
