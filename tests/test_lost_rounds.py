@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -243,3 +244,59 @@ def test_a_fleet_without_hosts_waits_then_fails(tmp_path: Path) -> None:
     assert not server._hosts_serve(2)  # past the budget
     assert server.error is not None and server.error.startswith("round 2: no client host served any device")
     assert server.stopped
+
+
+def test_a_device_that_leaves_its_host_while_its_task_waits_for_the_payload_is_not_trained_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Round 2's payload is lost on its first publish, so its tasks wait on their host while the
+    host fetches it; one of the waiting devices moves away before the payload comes. Its task is
+    dead-lettered ``unknown-device`` (as one arriving after the move would be), never trained on a
+    host that no longer serves it, and the run still ends."""
+    from services.client.service import Client
+
+    moved: list[int] = []
+    on_payload = Client.on_payload
+
+    def leave_first(self: Client, env: Any, msg: Any, d: Any) -> None:
+        waiting = self.waiting.get(msg.digest, [])
+        if waiting and not moved:
+            dev = waiting[0][1].device_id
+            del self.data[dev]
+            moved.append(dev)
+        on_payload(self, env, msg, d)
+
+    monkeypatch.setattr(Client, "on_payload", leave_first)
+    cluster = _cluster(tmp_path, "moved")
+    server = cluster.server
+    publish = server.publish_batch
+    lost: list[int] = []
+
+    def no_payload(kind: Kind, items: list[tuple[str, bytes, int]]) -> set[str]:
+        rs = server.rs
+        if kind is Kind.PAYLOAD and rs is not None and rs.number == 2 and not lost:
+            lost.append(len(items))
+            return set()
+        return publish(kind, items)
+
+    server.publish_batch = no_payload  # type: ignore[method-assign]
+    rejected: list[tuple[str, str]] = []
+    trained: list[tuple[int, int]] = []
+    for client in cluster.clients:
+
+        def record(d: Any, reason: str, detail: str, orig: Any = client.reject) -> None:
+            rejected.append((reason, detail))
+            orig(d, reason, detail)
+
+        def count(env: Any, task: Any, device: Any, orig: Any = client._train) -> Any:
+            trained.append((env.round, device.device_id))
+            return orig(env, task, device)
+
+        client.reject = record  # type: ignore[method-assign]
+        client._train = count  # type: ignore[method-assign]
+    assert cluster.run(max_steps=2_000_000) == 0
+    assert lost and len(moved) == 1, "no task waited for its payload: the fault was not injected"
+    assert [r[0] for r in rejected] == ["unknown-device"]
+    assert rejected[0][1].startswith(f"device {moved[0]} is not hosted by ")
+    assert (2, moved[0]) not in trained
+    assert all(r["outcome"] == "completed" for r in server.rows if r["round"] != 2)

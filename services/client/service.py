@@ -453,7 +453,10 @@ class Client(ServiceBase):
             self.payload_layouts[msg.digest] = tensorset.digest(env.layouts[0])
         d.ack()
         for env_, task, delivery in self.waiting.pop(msg.digest, []):
-            self._dispatch_task(env_, task, delivery)
+            # through ``on_task``: a device whose lease moved to another host while its task waited
+            # is no longer this host's to train (dead-lettered ``unknown-device``, as a task that
+            # arrives after the move is)
+            self.on_task(env_, task, delivery)
 
     def _tensors(self, env: Envelope, msg: Task, d: Delivery) -> dict[str, Any] | None:
         """The task's tensors: its own plus its payload's (None: the payload is missing — fetched,
