@@ -292,7 +292,7 @@ def test_a_device_that_leaves_its_host_while_its_task_waits_for_the_payload_is_n
             trained.append((env.round, device.device_id))
             return orig(env, task, device)
 
-        client.reject = record  # type: ignore[method-assign]
+        client.reject = record  # type: ignore[method-assign, assignment]
         client._train = count  # type: ignore[method-assign]
     assert cluster.run(max_steps=2_000_000) == 0
     assert lost and len(moved) == 1, "no task waited for its payload: the fault was not injected"
