@@ -12,8 +12,10 @@ This replays the server's bookkeeping (``RunLedger`` and ``services.server.check
 calls in the same order as ``Server._finalize``) without any training or messaging, and reports the
 wall milliseconds of one round's bookkeeping at several points of the run.
 
-It runs against either layout of the checkpoint (with the ledger journal, or the earlier whole
-ledger in ``state.json``), so the same script measures a commit before the journal and one after.
+The journal (``ledger.jsonl``) grows by what changed each round, and is compacted the way the
+server compacts it (a new generation starting with the whole ledger once it outgrows
+``checkpoint.COMPACT_MIN_BYTES`` and ``COMPACT_RATIO`` times that ledger): the table gives the bytes
+written per round, the bytes left on disk at the end, and the slowest round (a compaction's).
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ SCENARIOS: tuple[tuple[str, int, int, int, int, tuple[int, ...]], ...] = (
         10_000,
         1_300,
         44_426,
-        100,
-        (1, 10, 50, 100),
+        400,
+        (1, 10, 100, 400),
     ),
 )
 
@@ -81,17 +83,17 @@ def _row(r: int) -> dict[str, Any]:
 
 def one_run(
     registered: int, per_round: int, params: int, rounds: int, seed: int = 0
-) -> tuple[list[float], int]:
-    """Milliseconds of bookkeeping for each round of a simulated run, and the bytes the run left in
-    its ledger journal (0 for the code before the journal)."""
+) -> tuple[list[float], int, int]:
+    """Milliseconds of bookkeeping for each round of a simulated run, the bytes written to its
+    ledger journal, and the bytes of journal left on disk at the end."""
     rng = np.random.default_rng(seed)
     arrays = {"w": rng.standard_normal(params).astype(np.float32)}
-    journaled = hasattr(checkpoint, "Journal")  # else the code from before the ledger journal
     out: list[float] = []
+    written = 0
     with tempfile.TemporaryDirectory() as d:
         run_dir = Path(d)
         ledger = RunLedger("bench", "fedavg")
-        journal = checkpoint.Journal(run_dir, None) if journaled else None
+        journal = checkpoint.Journal(run_dir, None)
         for r in range(1, rounds + 1):
             everyone = per_round >= registered
             touched = range(registered) if everyone else rng.choice(registered, per_round, replace=False)
@@ -107,15 +109,16 @@ def one_run(
             state = ServerState(arrays, {})
             start = time.perf_counter()
             ledger.write_rows(run_dir)
-            if journal is not None:
-                ckpt = checkpoint.Checkpoint(r, state, ledger.to_checkpoint(), ledger.to_journal())
-                checkpoint.save(run_dir, ckpt, journal)
-                ledger.journaled()
-            else:
-                checkpoint.save(run_dir, checkpoint.Checkpoint(r, state, ledger.to_checkpoint()))  # type: ignore[call-arg]
+            whole = journal.compacting()  # as ``Server._save_checkpoint``
+            before = 0 if whole else journal.path.stat().st_size if journal.path.exists() else 0
+            entry = ledger.to_journal(whole=whole)
+            ckpt = checkpoint.Checkpoint(r, state, ledger.to_checkpoint(), entry, snapshot=whole)
+            checkpoint.save(run_dir, ckpt, journal)
+            ledger.journaled()
             out.append((time.perf_counter() - start) * 1000)
-        journal_file = run_dir / "ledger.jsonl"
-        return out, journal_file.stat().st_size if journal_file.exists() else 0
+            written += journal.path.stat().st_size - before
+        on_disk = sum(p.stat().st_size for p in run_dir.glob("ledger*.jsonl"))
+        return out, written, on_disk
 
 
 def _around(ms: Sequence[float], r: int) -> float:
@@ -129,19 +132,25 @@ def run(rounds_scale: float = 1.0) -> str:
         "Wall ms of one round's bookkeeping on the server (`rounds.csv` and the checkpoint, as "
         "`Server._finalize` does them), replayed without training or messaging; each cell is the "
         "median of the 9 rounds around that round. The model's arrays are float32. The journal "
-        "(`ledger.jsonl`) grows by what changed each round: its size at the end / the rounds.",
+        "(`ledger*.jsonl`) grows by what changed each round and is compacted as the server does "
+        f"it (past {checkpoint.COMPACT_MIN_BYTES / 2**20:.0f} MiB and {checkpoint.COMPACT_RATIO}x the "
+        "whole ledger): bytes written per round (compactions included), bytes on disk at the end, "
+        "and the slowest round.",
         "",
         "| scenario | rounds | "
         + " | ".join(f"point {i}" for i in range(1, 5))
-        + " | journal bytes per round |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        + " | slowest round | journal bytes written per round | journal on disk at the end |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, registered, per_round, params, rounds, points in SCENARIOS:
         n = max(points[0], int(rounds * rounds_scale))
         shown = [p for p in points if p <= n]
-        ms, journal_bytes = one_run(registered, per_round, params, n)
+        ms, written, on_disk = one_run(registered, per_round, params, n)
         cells = [f"{_around(ms, p):.1f} ms (r {p})" for p in shown] + ["-"] * (4 - len(shown))
-        lines.append(f"| {name} | {n} | " + " | ".join(cells) + f" | {journal_bytes / n:,.0f} |")
+        slowest = f"{max(ms):.1f} ms (r {ms.index(max(ms)) + 1})"
+        lines.append(
+            f"| {name} | {n} | " + " | ".join(cells) + f" | {slowest} | {written / n:,.0f} | {on_disk:,} |"
+        )
     return "\n".join(lines) + "\n"
 
 

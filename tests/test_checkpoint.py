@@ -9,6 +9,7 @@ saved. Config values such as ``train.lr: .inf`` are refused wherever they appear
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import subprocess
@@ -184,11 +185,16 @@ def test_a_non_finite_state_is_never_checkpointed(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.parametrize("compact", [False, True], ids=["journal", "compacting-journal"])
 def test_a_server_resumes_from_the_previous_checkpoint_and_ends_like_an_uninterrupted_run(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compact: bool
 ) -> None:
     """A truncated latest checkpoint: the restarted server takes the previous one, runs the lost round
-    again with the same seeds, and the run ends with the model of a run that was never interrupted."""
+    again with the same seeds, and the run ends with the model of a run that was never interrupted.
+    ``compacting-journal``: the journal starts a new generation whenever it grew since the last."""
+    if compact:
+        monkeypatch.setattr(checkpoint, "COMPACT_MIN_BYTES", 1)
+        monkeypatch.setattr(checkpoint, "COMPACT_RATIO", 1)
     cfg = write_config(tmp_path / "c.yaml", rounds=3)
 
     def cluster(run: Path, name: str) -> InprocCluster:
@@ -223,6 +229,10 @@ def test_a_server_resumes_from_the_previous_checkpoint_and_ends_like_an_uninterr
     assert (run / "rounds.csv").read_text().count("\n") == 4  # header + 3 rows, none twice
     # the per-tier sums of summary.json do not depend on the order the ledger was rebuilt in
     assert again.server.summary()["tiers"] == clean.server.summary()["tiers"]
+    if compact:
+        # round 2 (both times) started generation 1, round 3 appended to it: once both checkpoints
+        # cover generation 1, the first is gone
+        assert sorted(p.name for p in run.glob("ledger*.jsonl")) == ["ledger.1.jsonl"]
 
 
 def _journaled(round: int) -> Checkpoint:
@@ -349,10 +359,10 @@ def test_a_disk_that_fills_during_the_append_leaves_no_partial_line(tmp_path: Pa
             with Path(self).open(*args, **kwargs) as f:
                 yield HalfWriter(f)
 
-    real, journal.path = journal.path, FullDisk(journal.path)
+    real, journal.run_dir = journal.run_dir, FullDisk(journal.run_dir)
     with pytest.raises(OSError, match="No space"):
         checkpoint.save(tmp_path, _journaled(2), journal)
-    journal.path = real
+    journal.run_dir = real
     assert (tmp_path / "ledger.jsonl").stat().st_size == size
     checkpoint.save(tmp_path, _journaled(2), journal)
     assert _replayed(checkpoint.load(tmp_path)) == ([1, 2], {1: 1, 2: 2, 100: 2})
@@ -452,6 +462,112 @@ def test_the_summary_of_a_replayed_ledger_equals_the_live_one_to_the_last_bit() 
     tiers = ledger.summary({}, None)["tiers"]
     assert again.summary({}, None)["tiers"] == tiers  # ... the sums do not
     assert next(iter(tiers.values()))["virtual_seconds"] == 1e16 + 2
+
+
+def test_a_compacted_journal_keeps_two_generations_and_replays_like_the_ledger(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With compaction due at every save past the first few hundred bytes, the journal starts a new
+    generation with the whole ledger whenever it has grown past 4x that; the files on disk stay the
+    two the checkpoints cover, every load replays to the ledger as it was saved, the fallback to the
+    previous checkpoint finds its (older) generation, and a resumed journal goes on compacting."""
+    from services.server.ledger import RunLedger
+
+    monkeypatch.setattr(checkpoint, "COMPACT_MIN_BYTES", 300)
+    ledger = RunLedger("e", "fedavg")
+    journal = checkpoint.Journal(tmp_path, None)
+    saved: list[tuple[list[dict[str, Any]], dict[int, DeviceStats]]] = []
+    rotations = 0
+    for r in range(1, 100):
+        ledger.rows.append({"round": r, "accuracy": 0.01 * r})
+        for d in (r % 7, 100 + r):
+            ledger.stats(d).selected += 1
+        whole = journal.compacting()
+        rotations += whole
+        ckpt = Checkpoint(
+            r, _ckpt(r).state, ledger.to_checkpoint(), ledger.to_journal(whole=whole), snapshot=whole
+        )
+        checkpoint.save(tmp_path, ckpt, journal)
+        ledger.journaled()
+        saved.append(
+            (
+                [dict(row) for row in ledger.rows],
+                {d: DeviceStats(**asdict(st)) for d, st in ledger.devices.items()},
+            )
+        )
+        files = sorted(p.name for p in tmp_path.glob("ledger*.jsonl"))
+        assert len(files) <= 2, files
+        got = checkpoint.load(tmp_path)
+        assert got is not None
+        again = RunLedger("e", "fedavg")
+        again.restore(got.ledger, got.journal)
+        assert (again.rows, again.devices) == saved[-1]
+        if whole and rotations == 3:  # stop where the latest and the previous differ in generation
+            break
+    assert (
+        rotations == 3 and got is not None and got.mark is not None and got.mark["file"] == "ledger.3.jsonl"
+    )
+    assert max(p.stat().st_size for p in tmp_path.glob("ledger*.jsonl")) < 20 * 300
+
+    # the latest is damaged: the previous checkpoint, one generation back, still loads
+    _truncate(tmp_path / "checkpoint" / "state.npz")
+    got = checkpoint.load(tmp_path)
+    assert got is not None and got.round == r - 1
+    assert got.mark is not None and got.mark["file"] == "ledger.2.jsonl"
+    again = RunLedger("e", "fedavg")
+    again.restore(got.ledger, got.journal)
+    assert (again.rows, again.devices) == saved[-2]
+    # and the run goes on from it, compacting as before
+    assert got.mark is not None
+    journal = checkpoint.Journal(tmp_path, got.mark)
+    last = r + 40
+    for r2 in range(r, last):
+        again.rows.append({"round": r2})
+        again.stats(r2 % 5).selected += 1
+        whole = journal.compacting()
+        rotations += whole
+        ckpt = Checkpoint(
+            r2, _ckpt(r2).state, again.to_checkpoint(), again.to_journal(whole=whole), snapshot=whole
+        )
+        checkpoint.save(tmp_path, ckpt, journal)
+        again.journaled()
+    got = checkpoint.load(tmp_path)
+    assert got is not None
+    final = RunLedger("e", "fedavg")
+    final.restore(got.ledger, got.journal)
+    assert [row["round"] for row in final.rows] == list(range(1, last))
+    assert final.devices == again.devices
+    assert rotations >= 5
+    assert len(list(tmp_path.glob("ledger*.jsonl"))) <= 2
+
+
+def test_a_failed_save_takes_its_new_generation_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    journal = checkpoint.Journal(tmp_path, None)
+    checkpoint.save(tmp_path, _journaled(1), journal)
+
+    def disk_full(*_: Any) -> None:
+        raise OSError("No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint, "atomic_savez", disk_full)
+        with pytest.raises(OSError, match="No space"):
+            checkpoint.save(tmp_path, dataclasses.replace(_journaled(2), snapshot=True), journal)
+    assert sorted(p.name for p in tmp_path.glob("ledger*.jsonl")) == ["ledger.jsonl"]
+    checkpoint.save(tmp_path, _journaled(2), journal)
+    assert _replayed(checkpoint.load(tmp_path)) == ([1, 2], {1: 1, 2: 2, 100: 2})
+
+
+def test_a_journal_file_named_outside_the_run_directory_is_refused(tmp_path: Path) -> None:
+    journal = checkpoint.Journal(tmp_path, None)
+    checkpoint.save(tmp_path, _journaled(1), journal)
+    state = tmp_path / "checkpoint" / "state.json"
+    meta = json.loads(state.read_text())
+    meta["journal"]["file"] = "../../etc/passwd"
+    state.write_text(json.dumps(meta))
+    sums = {n: checkpoint._sha256(tmp_path / "checkpoint" / n) for n in ("state.npz", "state.json")}
+    (tmp_path / "checkpoint" / "checksums.json").write_text(json.dumps(sums))
+    with pytest.raises(CheckpointError, match="no valid journal file"):
+        checkpoint.load(tmp_path)
 
 
 def test_fedfleet_says_why_it_cannot_resume_without_a_traceback(tmp_path: Path) -> None:

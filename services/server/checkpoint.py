@@ -22,7 +22,9 @@ benchmarks/bench_checkpoint.py`` on the commit before the journal: a round's boo
 ms at round 10 to 39 ms at round 1,000 with 50 devices, and to 166 ms by round 100 with 1,300 of
 10,000 devices a round). Both generations share the journal: a damaged line breaks the
 checkpoints whose prefix holds it, and ``load`` falls back to the previous one only if its shorter
-prefix is intact.
+prefix is intact. The journal is read one line at a time, and compacted into a new generation once it
+outgrows the ledger it rebuilds (:class:`Journal`), so neither a resume's memory nor the disk grows
+without bound.
 
 Why keep one back and check on load too: a disk can truncate or flip a file after it was written,
 and a state holding NaN would resume a run that can only produce NaN. :func:`load` therefore tries
@@ -37,12 +39,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import shutil
 import zipfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 import numpy as np
 
@@ -56,15 +59,32 @@ LATEST, PREVIOUS, PENDING = "checkpoint", "checkpoint.old", "checkpoint.tmp"
 #: a latest checkpoint found unusable is moved here (kept for a post-mortem, never loaded)
 REJECTED = "checkpoint.corrupt"
 ARRAYS, META, SUMS = "state.npz", "state.json", "checksums.json"
-#: in the run directory, beside the checkpoints: see the module's docstring
+#: in the run directory, beside the checkpoints: see the module's docstring; a compacted journal's
+#: generations are ``ledger.<n>.jsonl``, each starting with the whole ledger
 JOURNAL = "ledger.jsonl"
+_GENERATION = re.compile(r"ledger(?:\.([0-9]+))?\.jsonl")
+#: a journal is compacted (a new generation starts with the whole ledger) once it is larger than
+#: both of these: a floor, so that short runs never compact, and a multiple of the ledger's own
+#: size, so that compacting costs a bounded share of what the journal writes
+COMPACT_MIN_BYTES = 16 << 20
+COMPACT_RATIO = 4
 
 
 class Mark(TypedDict):
-    """How much of the journal a checkpoint covers: its length in bytes and their SHA-256."""
+    """How much of the journal a checkpoint covers: its length in bytes and their SHA-256, and in
+    which generation (absent: ``ledger.jsonl``, the only one before a compaction)."""
 
     bytes: int
     sha256: str
+    file: NotRequired[str]
+
+
+def _generation(mark: Mapping[str, Any] | None) -> str:
+    """The journal file ``mark`` covers, checked (a name from ``state.json``, never a path)."""
+    name = JOURNAL if mark is None else mark.get("file", JOURNAL)
+    if not isinstance(name, str) or not _GENERATION.fullmatch(name):
+        raise CheckpointError(f"{META} names no valid journal file ({name!r})")
+    return name
 
 
 @dataclass
@@ -79,30 +99,54 @@ class Checkpoint:
     journal: Iterable[dict[str, Any]] = field(default_factory=list)
     #: on load, the checkpoint's mark (None: a checkpoint from before the journal, or none)
     mark: Mark | None = None
+    #: on save, ``journal`` is the whole ledger and starts a new generation (``Journal.compacting``)
+    snapshot: bool = False
 
 
 class Journal:
-    """The run's ``ledger.jsonl``, opened for appending at a checkpoint's mark.
+    """The run's journal, opened for appending at a checkpoint's mark.
 
     It keeps the running SHA-256 and length, so a save hashes only what it appends, and can take
     back its last append when the save that made it fails (else the next save would append the
     same changes again and the replay would count them twice).
+
+    Compaction: appends alone grow without end (87 KB a round at 1,300 devices a round, so ~1 GB
+    by round 10,000), although the ledger they rebuild is bounded by the devices and rounds it
+    holds. Once the journal is larger than ``COMPACT_MIN_BYTES`` and ``COMPACT_RATIO`` times the
+    whole ledger it last started from, the server's next save writes the whole ledger as the first
+    line of a new generation (``rotate``); ``save`` deletes a generation once neither the latest
+    nor the previous checkpoint covers it, so at most two lie on disk.
     """
 
     def __init__(self, run_dir: Path, mark: Mark | None) -> None:
         """Open ``run_dir``'s journal cut to ``mark`` (None: empty), so that appends continue the
         prefix the resumed checkpoint verified. ``mark`` must be one ``load`` returned."""
-        self.path = run_dir / JOURNAL
+        self.run_dir = run_dir
+        self.file = _generation(mark)
         self._hash = _verified(self.path, mark, parse=False) if mark is not None else hashlib.sha256()
         self._size = mark["bytes"] if mark is not None else 0
         run_dir.mkdir(parents=True, exist_ok=True)
         with self.path.open("ab") as f:
             f.truncate(self._size)
-        self._before: tuple[Any, int] | None = None
+        #: bytes of the whole ledger this generation starts with (0: ``ledger.jsonl``, which
+        #: starts empty)
+        self._base = 0
+        if self.file != JOURNAL:
+            with self.path.open("rb") as f:
+                self._base = len(f.readline(self._size))
+        self._before: tuple[Any, int, str, int] | None = None
+
+    @property
+    def path(self) -> Path:
+        return self.run_dir / self.file
+
+    def compacting(self) -> bool:
+        """Whether the next save should start a new generation with the whole ledger (``rotate``)."""
+        return self._size > max(COMPACT_MIN_BYTES, COMPACT_RATIO * self._base)
 
     def append(self, data: bytes) -> Mark:
         """Append ``data`` (whole lines); returns the mark of the journal after it."""
-        self._before = (self._hash.copy(), self._size)
+        self._before = (self._hash.copy(), self._size, self.file, self._base)
         with self.path.open("ab") as f:
             try:
                 f.write(data)
@@ -112,16 +156,60 @@ class Journal:
                 raise
         self._hash.update(data)
         self._size += len(data)
-        return Mark(bytes=self._size, sha256=self._hash.hexdigest())
+        return self._mark()
+
+    def rotate(self, data: bytes) -> Mark:
+        """Start the next generation with ``data`` (the whole ledger); returns its mark. The one
+        before stays until no checkpoint covers it (``save``)."""
+        match = _GENERATION.fullmatch(self.file)
+        number = int(match.group(1) or 0) + 1 if match else 1
+        new = f"ledger.{number}.jsonl"
+        try:
+            with (self.run_dir / new).open("wb") as f:
+                f.write(data)
+                f.flush()
+        except BaseException:
+            (self.run_dir / new).unlink(missing_ok=True)
+            raise
+        self._before = (self._hash, self._size, self.file, self._base)
+        self.file, self._hash, self._size, self._base = new, hashlib.sha256(data), len(data), len(data)
+        return self._mark()
+
+    def _mark(self) -> Mark:
+        mark = Mark(bytes=self._size, sha256=self._hash.hexdigest())
+        if self.file != JOURNAL:
+            mark["file"] = self.file
+        return mark
 
     def undo(self) -> None:
-        """Take back the last ``append`` (its save failed)."""
+        """Take back the last ``append`` or ``rotate`` (its save failed)."""
         if self._before is None:
             return
-        self._hash, self._size = self._before
+        rotated = self._before[2] != self.file
+        if rotated:
+            self.path.unlink(missing_ok=True)
+        self._hash, self._size, self.file, self._base = self._before
         self._before = None
-        with self.path.open("ab") as f:
-            f.truncate(self._size)
+        if not rotated:
+            with self.path.open("ab") as f:
+                f.truncate(self._size)
+
+
+def _prune(run_dir: Path, keep: set[str]) -> None:
+    """Delete the journal generations that no checkpoint in ``keep`` covers."""
+    for path in run_dir.glob("ledger*.jsonl"):
+        if _GENERATION.fullmatch(path.name) and path.name not in keep:
+            path.unlink(missing_ok=True)
+
+
+def _covered(path: Path) -> str | None:
+    """The journal file the checkpoint in ``path`` covers; None if it cannot be told (then no
+    generation may be deleted)."""
+    try:
+        found = json.loads((path / META).read_text()).get("journal")
+        return _generation(found) if isinstance(found, dict) else JOURNAL
+    except (OSError, ValueError, AttributeError, CheckpointError):
+        return None
 
 
 def _lines(path: Path, nbytes: int) -> Iterator[bytes]:
@@ -153,13 +241,13 @@ def _verified(path: Path, mark: Mark, *, parse: bool) -> Any:
                 except ValueError as err:
                     bad = f"unreadable ({err})"
     except OSError as err:
-        raise CheckpointError(f"{JOURNAL} unreadable ({err})") from None
+        raise CheckpointError(f"{path.name} unreadable ({err})") from None
     if size < mark["bytes"]:
-        raise CheckpointError(f"{JOURNAL} is shorter than the checkpoint's mark (truncated)")
+        raise CheckpointError(f"{path.name} is shorter than the checkpoint's mark (truncated)")
     if digest.hexdigest() != mark["sha256"]:
-        raise CheckpointError(f"{JOURNAL} does not match the checkpoint's mark (corrupt)")
+        raise CheckpointError(f"{path.name} does not match the checkpoint's mark (corrupt)")
     if bad:
-        raise CheckpointError(f"{JOURNAL} {bad}")
+        raise CheckpointError(f"{path.name} {bad}")
     return digest
 
 
@@ -204,7 +292,7 @@ def save(run_dir: Path, ckpt: Checkpoint, journal: Journal) -> None:
     except ValueError as err:
         raise CheckpointError(f"round {ckpt.round}: not checkpointed, non-finite metadata ({err})") from None
     latest, previous, tmp = run_dir / LATEST, run_dir / PREVIOUS, run_dir / PENDING
-    meta["journal"] = journal.append(lines)
+    meta["journal"] = journal.rotate(lines) if ckpt.snapshot else journal.append(lines)
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -221,6 +309,9 @@ def save(run_dir: Path, ckpt: Checkpoint, journal: Journal) -> None:
     else:  # a broken latest (or none): keep the previous one as it is
         shutil.rmtree(latest, ignore_errors=True)
     tmp.rename(latest)
+    keep = {journal.file, _covered(previous) if previous.exists() else journal.file}
+    if None not in keep:
+        _prune(run_dir, {k for k in keep if k is not None})
 
 
 def _whole(path: Path) -> bool:
@@ -277,10 +368,13 @@ def _read(path: Path, *, replay: bool = False) -> Checkpoint:
         ):
             raise CheckpointError(f"{META} holds no valid journal mark")
         mark = Mark(bytes=found["bytes"], sha256=found["sha256"])
+        if "file" in found:
+            mark["file"] = found["file"]
     entries: Iterable[dict[str, Any]] = []
     if replay and mark is not None:
-        _verified(path.parent / JOURNAL, mark, parse=True)
-        entries = JournalEntries(path.parent / JOURNAL, mark)
+        journal = path.parent / _generation(mark)
+        _verified(journal, mark, parse=True)
+        entries = JournalEntries(journal, mark)
     state = ServerState(arrays, state_meta)
     return Checkpoint(round=round_, state=state, ledger=meta, journal=entries, mark=mark)
 

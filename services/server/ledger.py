@@ -311,16 +311,19 @@ class RunLedger:
         """The fixed-size part a checkpoint holds; what grows goes to the journal (``to_journal``)."""
         return {"totals": self.totals, "wall_seconds": self.wall_offset + time.time() - self.started}
 
-    def to_journal(self) -> list[dict[str, Any]]:
+    def to_journal(self, *, whole: bool = False) -> list[dict[str, Any]]:
         """What changed since the last checkpoint (``journaled``): the new rows and the statistics of
         the devices touched. A checkpoint's replay of all entries up to it rebuilds the ledger
-        (``restore``); one entry per checkpoint keeps a save's cost to what the round changed."""
-        changed = sorted(d for d in self._changed if d in self.devices)
+        (``restore``); one entry per checkpoint keeps a save's cost to what the round changed.
+
+        ``whole``: every row and every device instead, the first line of a compacted journal's
+        new generation (``checkpoint.Journal.compacting``), which its replay starts from."""
+        changed = sorted(self.devices if whole else (d for d in self._changed if d in self.devices))
         # a device's statistics as a list under the entry's column names (a third of the bytes of
         # one object each: at 1,300 devices a round the journal grows by what they take)
         return [
             {
-                "rows": self.rows[self._rows_journaled :],
+                "rows": self.rows[0 if whole else self._rows_journaled :],
                 "device_columns": DEVICE_COLUMNS,
                 "devices": [list(device_row(self.devices[d]).values()) for d in changed],
             }

@@ -1075,8 +1075,13 @@ class Server(ServiceBase):
         )
 
     def _save_checkpoint(self) -> None:
+        whole = self.journal.compacting()
         ckpt = checkpoint.Checkpoint(
-            self.round, self.state, self.ledger.to_checkpoint(), self.ledger.to_journal()
+            self.round,
+            self.state,
+            self.ledger.to_checkpoint(),
+            self.ledger.to_journal(whole=whole),
+            snapshot=whole,
         )
         try:
             checkpoint.save(self.run_dir, ckpt, self.journal)
