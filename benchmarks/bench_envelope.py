@@ -76,8 +76,10 @@ def _tapping(make: Callable[[str], Transport], sizes: Sizes, algorithm: str) -> 
         t = make(user)
         publish = t.publish
 
-        def tapped(key: str, body: bytes, headers: dict[str, Any] | None = None) -> None:
-            publish(key, body, headers)
+        def tapped(
+            key: str, body: bytes, headers: dict[str, Any] | None = None, *, transient: bool = False
+        ) -> None:
+            publish(key, body, headers, transient=transient)
             sizes.count(algorithm, body)
 
         t.publish = tapped  # type: ignore[method-assign]

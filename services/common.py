@@ -24,6 +24,13 @@ from shared.schemas.peers import PeerVersions
 from shared.topology import routable
 from shared.transport import Delivery, Transport, Unroutable
 
+#: kinds a broker restart may lose without harm beyond their round, published transient (see
+#: ``Transport.publish``): a device's update, one per device per round and the bulk of the bytes.
+#: Losing it leaves its device silent, so the round is lost and repeated, never completed without
+#: it. Everything else (tasks a host has not read yet, leases, device state, round control) stays
+#: persistent: their loss would not always show as a lost round.
+TRANSIENT_KINDS = frozenset({Kind.UPDATE})
+
 #: message kinds → the ``direction`` label of traffic metrics
 DIRECTION = {
     Kind.TASK: "down",
@@ -292,7 +299,7 @@ class ServiceBase:
         _check_route(kind, key)
         data = self.peers.outgoing(key, data, exp=self.experiment, layouts=self.layouts)
         try:
-            self.transport.publish(key, data)
+            self.transport.publish(key, data, transient=kind in TRANSIENT_KINDS)
         except Unroutable:
             metrics.UNROUTABLE.labels(self.experiment, self.service, kind.value).inc()
             raise
@@ -315,7 +322,9 @@ class ServiceBase:
             (k, self.peers.outgoing(k, data, exp=self.experiment, layouts=self.layouts), n)
             for k, data, n in items
         ]
-        unroutable = self.transport.publish_many([(key, data) for key, data, _ in items])
+        unroutable = self.transport.publish_many(
+            [(key, data) for key, data, _ in items], transient=kind in TRANSIENT_KINDS
+        )
         labels = (self.experiment, self.algorithm, self.service, DIRECTION.get(kind, "control"), kind.value)
         for key, data, dense in items:
             if key in unroutable:

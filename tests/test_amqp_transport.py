@@ -266,6 +266,36 @@ def _management_queue(broker_url: str, queue: str) -> dict[str, Any]:
         return dict(json.loads(resp.read()))
 
 
+@pytest.mark.parametrize(
+    ("transient", "option", "expected"), [(True, True, 1), (True, False, 2), (False, True, 2)]
+)
+def test_only_what_the_sender_may_lose_is_published_transient(
+    broker_url: str, experiment_id: str, transient: bool, option: bool, expected: int
+) -> None:
+    """``transient`` (a device's update) is published with ``delivery_mode`` 1, so the broker does
+    not store it, unless ``RABBITMQ_UPDATE_DELIVERY=persistent``; everything else is persistent (2).
+    Read back with a plain consumer, as the broker delivers it: one by ``publish``, one by
+    ``publish_many``."""
+    q = f"ff.{experiment_id}.modes"
+    t = AmqpTransport(broker_url, experiment_id, options=BrokerOptions(transient_updates=option))
+    conn = pika.BlockingConnection(pika.URLParameters(broker_url))
+    try:
+        t.declare_queue(q, ["m"])
+        t.publish("m", b"one", transient=transient)
+        assert t.publish_many([("m", b"two")], transient=transient) == set()
+        ch = conn.channel()
+        modes = []
+        for _ in range(2):
+            method, props, body = ch.basic_get(q, auto_ack=True)
+            assert method is not None, "a published message did not arrive"
+            modes.append((body, props.delivery_mode))
+        assert modes == [(b"one", expected), (b"two", expected)]
+    finally:
+        conn.close()
+        t.delete_experiment([q])
+        t.close()
+
+
 @pytest.mark.parametrize("queue_type", ["classic", "quorum"])
 def test_every_queue_takes_the_configured_type(broker_url: str, experiment_id: str, queue_type: str) -> None:
     """The dead-letter queue included, and a session queue with an expiry (quorum queues take it)."""

@@ -149,15 +149,17 @@ def _counting(make: Callable[[str], Transport], seen: Observed) -> Callable[[str
         publish, publish_many = t.publish, t.publish_many
         batching = [False]  # a batch may be published message by message: count it once
 
-        def counted_publish(key: str, body: bytes, headers: dict[str, Any] | None = None) -> None:
-            publish(key, body, headers)
+        def counted_publish(
+            key: str, body: bytes, headers: dict[str, Any] | None = None, *, transient: bool = False
+        ) -> None:
+            publish(key, body, headers, transient=transient)
             if not batching[0]:
                 seen.count(key, body)
 
-        def counted_many(items: Any) -> set[str]:
+        def counted_many(items: Any, *, transient: bool = False) -> set[str]:
             batching[0] = True
             try:
-                unroutable = publish_many(items)
+                unroutable = publish_many(items, transient=transient)
             finally:
                 batching[0] = False
             for key, body in items:

@@ -213,19 +213,19 @@ class InjectingClient(Client):
             self.injected.append("forged-refusal")
             real_publish = self.transport.publish
 
-            def twice(key: str, body: bytes, headers: Any = None) -> None:
-                real_publish(key, body, headers)
+            def twice(key: str, body: bytes, headers: Any = None, *, transient: bool = False) -> None:
+                real_publish(key, body, headers, transient=transient)
                 if key == KEY_UPDATE:
-                    real_publish(key, body, headers)  # the duplicate update
+                    real_publish(key, body, headers, transient=transient)  # the duplicate update
                     self.injected.append("duplicate")
 
             real_many = self.transport.publish_many
 
-            def twice_many(items: Any) -> set[str]:
+            def twice_many(items: Any, *, transient: bool = False) -> set[str]:
                 # in virtual time the update goes out in the turn's batch (``publish_soon``)
                 dup = [item for item in items if item[0] == KEY_UPDATE]
                 self.injected += ["duplicate"] * len(dup)
-                return real_many([*items, *dup])
+                return real_many([*items, *dup], transient=transient)
 
             self.transport.publish = twice  # type: ignore[method-assign]
             self.transport.publish_many = twice_many  # type: ignore[method-assign]

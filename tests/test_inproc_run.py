@@ -300,13 +300,15 @@ def test_a_leave_asked_from_a_signal_handler_publishes_nothing_until_the_next_ti
     sent: list[tuple[str, bytes]] = []
     publish, publish_many = host.transport.publish, host.transport.publish_many
 
-    def spied(key: str, body: bytes, headers: dict[str, Any] | None = None) -> None:
+    def spied(
+        key: str, body: bytes, headers: dict[str, Any] | None = None, *, transient: bool = False
+    ) -> None:
         sent.append((key, body))
-        publish(key, body, headers)
+        publish(key, body, headers, transient=transient)
 
-    def spied_many(items: Any) -> set[str]:
+    def spied_many(items: Any, *, transient: bool = False) -> set[str]:
         sent.extend(items)
-        return publish_many(items)
+        return publish_many(items, transient=transient)
 
     monkeypatch.setattr(host.transport, "publish", spied)
     monkeypatch.setattr(host.transport, "publish_many", spied_many)
@@ -346,3 +348,34 @@ def test_run_inproc_once_reuses_a_finished_run_and_force_redoes_it(tmp_path: Pat
     assert (run / "summary.json").stat().st_mtime_ns == first
     assert run_inproc_once(cfg, run, "once-c", force=True) is True
     assert (run / "summary.json").stat().st_mtime_ns != first
+
+
+def test_only_updates_are_published_as_losable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every service's publishes over a short run: a device's update, and nothing else, goes out
+    ``transient`` (the broker may drop it on a restart: its round is then lost and repeated);
+    tasks, payloads, leases, partials and round control stay persistent."""
+    from shared.transport.base import KEY_UPDATE
+    from shared.transport.inproc import InprocTransport
+
+    seen: list[tuple[str, bool]] = []
+    publish = InprocTransport.publish
+
+    def spied(
+        self: InprocTransport,
+        key: str,
+        body: bytes,
+        headers: dict[str, Any] | None = None,
+        *,
+        transient: bool = False,
+    ) -> None:
+        seen.append((key, transient))
+        publish(self, key, body, headers, transient=transient)
+
+    monkeypatch.setattr(InprocTransport, "publish", spied)
+    cfg = write_config(tmp_path / "c.yaml", rounds=2)
+    (tmp_path / "run").mkdir()
+    assert run_inproc(load_config(cfg), tmp_path / "run", "modes", show_progress=False) == 0
+    updates = [t for key, t in seen if key == KEY_UPDATE]
+    others = [(key, t) for key, t in seen if key != KEY_UPDATE]
+    assert updates and all(updates)
+    assert others and not any(t for _, t in others)

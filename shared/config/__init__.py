@@ -497,6 +497,15 @@ class Settings(BaseSettings):
     rabbitmq_queue_mode: Literal["default", "lazy"] = Field(
         default="lazy", validation_alias="RABBITMQ_QUEUE_MODE"
     )
+    #: ``transient``: a device's update, the bulk of a round's traffic, is published with
+    #: ``delivery_mode=1``, so a classic queue's broker does not also write it to its persistent
+    #: message store (broker CPU per round: docs/broker.md, "Transient updates"). A broker restart
+    #: then loses the updates still queued: their devices fall silent and the round is lost and
+    #: repeated, like any round the broker lost. ``persistent``: updates are persistent like every
+    #: other message. Quorum queues keep every message on disk, whichever is set.
+    rabbitmq_update_delivery: Literal["transient", "persistent"] = Field(
+        default="transient", validation_alias="RABBITMQ_UPDATE_DELIVERY"
+    )
     #: seconds a service keeps trying to reach any broker address after a loss (or at start) before
     #: it exits non-zero naming the addresses it tried; also how long the server goes on repeating a
     #: round the broker lost (at most 3 times) before the run fails

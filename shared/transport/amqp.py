@@ -3,7 +3,8 @@
 Reliability choices, each because a service relies on it:
 
 * durable exchange and queues, persistent messages (``delivery_mode=2``): a broker restart loses
-  nothing that was confirmed;
+  nothing that was confirmed, except what the sender marks ``transient`` (a device's update,
+  ``RABBITMQ_UPDATE_DELIVERY``): its loss loses the round, which the server repeats;
 * every publish carries the connection's user as ``user_id``, which RabbitMQ validates: receivers
   know who sent a message (``Delivery.user_id``, see ``shared.identity``);
 * only the experiment's owner (the server) declares the exchange, the dead-letter exchange and queue;
@@ -110,6 +111,9 @@ class BrokerOptions:
 
     queue_type: QueueType = "classic"
     queue_mode: QueueMode = "lazy"
+    #: publish what the sender marks ``transient`` (a device's update) with ``delivery_mode=1``
+    #: (``RABBITMQ_UPDATE_DELIVERY``); False: everything persistent
+    transient_updates: bool = True
     reconnect_budget_s: float = 120.0
     backoff_s: float = 0.25
     backoff_max_s: float = 5.0
@@ -125,6 +129,7 @@ class BrokerOptions:
         return cls(
             queue_type=s.rabbitmq_queue_type,
             queue_mode=s.rabbitmq_queue_mode,
+            transient_updates=s.rabbitmq_update_delivery == "transient",
             reconnect_budget_s=s.reconnect_budget_s,
             backoff_s=s.reconnect_backoff_s,
             backoff_max_s=s.reconnect_backoff_max_s,
@@ -624,8 +629,16 @@ class AmqpTransport(Transport):
             pause = min(pause * 2, 1.0)
         raise _PublishRefused(f"publish to {key!r} refused {self.options.publish_retries + 1} times")
 
-    def publish(self, key: str, body: bytes, headers: dict[str, Any] | None = None) -> None:
-        props = BasicProperties(delivery_mode=2, headers=headers or None, user_id=self.user)
+    def _delivery_mode(self, transient: bool) -> int:
+        """1 (not stored by the broker) for what the sender may lose, when the options allow it."""
+        return 1 if transient and self.options.transient_updates else 2
+
+    def publish(
+        self, key: str, body: bytes, headers: dict[str, Any] | None = None, *, transient: bool = False
+    ) -> None:
+        props = BasicProperties(
+            delivery_mode=self._delivery_mode(transient), headers=headers or None, user_id=self.user
+        )
         self._with_reconnect(lambda: self._confirmed(self.names.exchange, key, body, props, mandatory=True))
 
     def publish_reply(self, reply_to: str, body: bytes) -> None:
@@ -680,12 +693,12 @@ class AmqpTransport(Transport):
             self._publishing -= 1
         return set(self._returned)
 
-    def publish_many(self, items: Sequence[tuple[str, bytes]]) -> set[str]:
+    def publish_many(self, items: Sequence[tuple[str, bytes]], *, transient: bool = False) -> set[str]:
         if self.options.queue_type == "quorum":
             # A transaction's commit is no promise that a quorum queue in the middle of a leader
             # election took the messages; a publisher confirm is. One confirm per message, then.
-            return super().publish_many(items)
-        props = BasicProperties(delivery_mode=2, user_id=self.user)
+            return super().publish_many(items, transient=transient)
+        props = BasicProperties(delivery_mode=self._delivery_mode(transient), user_id=self.user)
         return self._with_reconnect(lambda: self._commit_batch(items, props))
 
     # -- consuming -------------------------------------------------------------------------------

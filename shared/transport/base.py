@@ -159,11 +159,19 @@ class Transport(ABC):
         """Stop routing ``key`` to ``queue`` (a device that moved to another host)."""
 
     @abstractmethod
-    def publish(self, key: str, body: bytes, headers: dict[str, Any] | None = None) -> None:
-        """Publish persistently and wait for the broker's confirm. Raises ``Unroutable``."""
+    def publish(
+        self, key: str, body: bytes, headers: dict[str, Any] | None = None, *, transient: bool = False
+    ) -> None:
+        """Publish persistently and wait for the broker's confirm. Raises ``Unroutable``.
 
-    def publish_many(self, items: Sequence[tuple[str, bytes]]) -> set[str]:
-        """Publish a batch persistently; returns the routing keys nobody was bound for.
+        ``transient``: the sender can lose this message to a broker restart (a device's update: its
+        round is then lost and repeated), so the broker need not store it (AMQP: ``delivery_mode=1``
+        unless ``RABBITMQ_UPDATE_DELIVERY=persistent``). The confirm still says the broker took it.
+        """
+
+    def publish_many(self, items: Sequence[tuple[str, bytes]], *, transient: bool = False) -> set[str]:
+        """Publish a batch persistently (``transient``: as ``publish``); returns the routing keys
+        nobody was bound for.
 
         For fan-out bursts (a round's tasks): one broker acknowledgement for the whole batch instead
         of one round trip per message. The default publishes one by one.
@@ -171,7 +179,7 @@ class Transport(ABC):
         unroutable: set[str] = set()
         for key, body in items:
             try:
-                self.publish(key, body)
+                self.publish(key, body, transient=transient)
             except Unroutable:
                 unroutable.add(key)
         return unroutable

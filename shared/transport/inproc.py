@@ -101,7 +101,9 @@ class InprocTransport(Transport):
     def unbind(self, queue: str, key: str) -> None:
         self.broker.bindings.get(key, set()).discard(queue)
 
-    def publish(self, key: str, body: bytes, headers: dict[str, Any] | None = None) -> None:
+    def publish(
+        self, key: str, body: bytes, headers: dict[str, Any] | None = None, *, transient: bool = False
+    ) -> None:
         self.broker.route(key, _Msg(bytes(body), key, dict(headers or {}), user_id=self.user or None))
 
     def consume(self, queue: str, handler: Handler, prefetch: int) -> None:
