@@ -339,6 +339,28 @@ def test_classic_queues_take_the_configured_mode(broker_url: str, experiment_id:
         t.close()
 
 
+@pytest.mark.parametrize("transient", [True, False])
+def test_the_updates_queue_is_lazy_only_while_updates_are_persistent(
+    broker_url: str, experiment_id: str, transient: bool
+) -> None:
+    """A lazy queue would write transient updates to disk all the same, so the updates queue is
+    declared without the mode while updates are transient; with persistent updates it is lazy like
+    every other classic queue."""
+    t = AmqpTransport(
+        broker_url, experiment_id, options=BrokerOptions(queue_mode="lazy", transient_updates=transient)
+    )
+    other = f"ff.{experiment_id}.other"
+    try:
+        t.declare_queue(t.names.updates_queue, ["update"])
+        t.declare_queue(other, ["other"])
+        updates = _management_queue(broker_url, t.names.updates_queue)["arguments"]
+        assert updates.get("x-queue-mode") == (None if transient else "lazy"), updates
+        assert _management_queue(broker_url, other)["arguments"].get("x-queue-mode") == "lazy"
+    finally:
+        t.delete_experiment([t.names.updates_queue, other])
+        t.close()
+
+
 def test_quorum_queues_take_no_mode() -> None:
     """RabbitMQ refuses ``x-queue-mode`` on a quorum queue (406), so lazy must leave it out."""
     args = queue_arguments("quorum", "dlx", None, "lazy")

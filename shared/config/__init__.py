@@ -492,14 +492,15 @@ class Settings(BaseSettings):
     #: updates, 364 MiB, waiting in the updates queue: docs/broker.md). The price is a disk write and
     #: read per message. ``default``: RabbitMQ keeps bodies in RAM too, as before this setting; use it
     #: to re-declare queues made before it existed (a changed mode is refused with 406). Quorum queues
-    #: and the dead-letter queue (declared by the Kubernetes broker's definitions) take no mode.
-    #: Every process of a deployment must use the same mode.
+    #: and the dead-letter queue (declared by the Kubernetes broker's definitions) take no mode, nor
+    #: does the updates queue while updates are transient (``RABBITMQ_UPDATE_DELIVERY``: a lazy queue
+    #: would write them to disk all the same). Every process of a deployment must use the same mode.
     rabbitmq_queue_mode: Literal["default", "lazy"] = Field(
         default="lazy", validation_alias="RABBITMQ_QUEUE_MODE"
     )
     #: ``transient``: a device's update, the bulk of a round's traffic, is published with
-    #: ``delivery_mode=1``, so a classic queue's broker does not also write it to its persistent
-    #: message store (broker CPU per round: docs/broker.md, "Transient updates"). A broker restart
+    #: ``delivery_mode=1`` to an updates queue that is not lazy, so a classic queue's broker does not
+    #: write it to disk (round times: docs/broker.md, "Transient updates"). A broker restart
     #: then loses the updates still queued: their devices fall silent and the round is lost and
     #: repeated, like any round the broker lost. ``persistent``: updates are persistent like every
     #: other message. Quorum queues keep every message on disk, whichever is set.
