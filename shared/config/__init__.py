@@ -503,7 +503,8 @@ class Settings(BaseSettings):
     #: write it to disk (round times: docs/broker.md, "Transient updates"). A broker restart
     #: then loses the updates still queued: their devices fall silent and the round is lost and
     #: repeated, like any round the broker lost. ``persistent``: updates are persistent like every
-    #: other message. Quorum queues keep every message on disk, whichever is set.
+    #: other message. Quorum queues keep every message on disk, whichever is set. Every process of a
+    #: deployment must use the same value: it decides the updates queue's mode (refused with 406).
     rabbitmq_update_delivery: Literal["transient", "persistent"] = Field(
         default="transient", validation_alias="RABBITMQ_UPDATE_DELIVERY"
     )
