@@ -501,8 +501,8 @@ class Settings(BaseSettings):
     #: ``transient``: a device's update, the bulk of a round's traffic, is published with
     #: ``delivery_mode=1`` to an updates queue that is not lazy, so a classic queue's broker does not
     #: write it to disk (round times: docs/broker.md, "Transient updates"). A broker restart
-    #: then loses the updates still queued: their devices fall silent and the round is lost and
-    #: repeated, like any round the broker lost. ``persistent``: updates are persistent like every
+    #: then loses the updates still queued: their devices fall silent, as when their host crashes
+    #: (a round that merged none is lost and repeated). ``persistent``: updates are persistent like every
     #: other message. Quorum queues keep every message on disk, whichever is set. Every process of a
     #: deployment must use the same value: it decides the updates queue's mode (refused with 406).
     rabbitmq_update_delivery: Literal["transient", "persistent"] = Field(
