@@ -26,9 +26,10 @@ from shared.transport import Delivery, Transport, Unroutable
 
 #: kinds a broker restart may lose without harm beyond their round, published transient (see
 #: ``Transport.publish``): a device's update, one per device per round and the bulk of the bytes.
-#: Losing it leaves its device silent, so the round is lost and repeated, never completed without
-#: it. Everything else (tasks a host has not read yet, leases, device state, round control) stays
-#: persistent: their loss would not always show as a lost round.
+#: Losing it leaves its device silent in that round, as a crashed host does: the round completes
+#: without it, or is lost and repeated if it merged nothing (docs/broker.md, "Transient updates").
+#: Everything else (tasks a host has not read yet, leases, device state, round control) stays
+#: persistent: a run relies on them beyond one round.
 TRANSIENT_KINDS = frozenset({Kind.UPDATE})
 
 #: message kinds → the ``direction`` label of traffic metrics

@@ -4,7 +4,7 @@ Reliability choices, each because a service relies on it:
 
 * durable exchange and queues, persistent messages (``delivery_mode=2``): a broker restart loses
   nothing that was confirmed, except what the sender marks ``transient`` (a device's update,
-  ``RABBITMQ_UPDATE_DELIVERY``): its loss loses the round, which the server repeats;
+  ``RABBITMQ_UPDATE_DELIVERY``): its device falls silent in that round, as when its host crashes;
 * every publish carries the connection's user as ``user_id``, which RabbitMQ validates: receivers
   know who sent a message (``Delivery.user_id``, see ``shared.identity``);
 * only the experiment's owner (the server) declares the exchange, the dead-letter exchange and queue;

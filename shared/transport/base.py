@@ -164,9 +164,10 @@ class Transport(ABC):
     ) -> None:
         """Publish persistently and wait for the broker's confirm. Raises ``Unroutable``.
 
-        ``transient``: the sender can lose this message to a broker restart (a device's update: its
-        round is then lost and repeated), so the broker need not store it (AMQP: ``delivery_mode=1``
-        unless ``RABBITMQ_UPDATE_DELIVERY=persistent``). The confirm still says the broker took it.
+        ``transient``: the sender can afford to lose this message to a broker restart (a device's
+        update: its device falls silent in that round, as when its host crashes), so the broker need
+        not store it (AMQP: ``delivery_mode=1`` unless ``RABBITMQ_UPDATE_DELIVERY=persistent``). The
+        confirm still says the broker took it.
         """
 
     def publish_many(self, items: Sequence[tuple[str, bytes]], *, transient: bool = False) -> set[str]:
