@@ -300,3 +300,56 @@ def test_a_device_that_leaves_its_host_while_its_task_waits_for_the_payload_is_n
     assert rejected[0][1].startswith(f"device {moved[0]} is not hosted by ")
     assert (2, moved[0]) not in trained
     assert all(r["outcome"] == "completed" for r in server.rows if r["round"] != 2)
+
+
+@pytest.mark.parametrize("lose", ["all", "one"])
+def test_updates_a_broker_restart_loses_leave_their_devices_silent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lose: str
+) -> None:
+    """Updates are published transient (``RABBITMQ_UPDATE_DELIVERY``), so a classic broker that
+    restarts loses those still queued. Emulated here by dropping round 2's updates after the broker
+    took them. ``all``: the round merged nothing, so it is lost and repeated, and the run ends with
+    the model of a clean run. ``one``: the round completes with the others, and the lost update's
+    device counts as dropped, as if its host had crashed."""
+    from shared.transport.base import KEY_UPDATE
+    from shared.transport.inproc import InprocTransport
+
+    cluster = _cluster(tmp_path, f"restart-{lose}")
+    server = cluster.server
+    dropped: list[int] = []
+    publish = InprocTransport.publish
+
+    def lossy(
+        self: InprocTransport,
+        key: str,
+        body: bytes,
+        headers: dict[str, Any] | None = None,
+        *,
+        transient: bool = False,
+    ) -> None:
+        rs = server.rs
+        if key == KEY_UPDATE and rs is not None and rs.number == 2 and rs.attempt == 1:
+            assert transient, "an update was published persistent"
+            if lose == "all" or not dropped:
+                dropped.append(rs.attempt)
+                return  # taken by the broker, then lost with it
+        publish(self, key, body, headers, transient=transient)
+
+    monkeypatch.setattr(InprocTransport, "publish", lossy)
+    assert cluster.run(max_steps=2_000_000) == 0
+    assert dropped, "no update of round 2 was published: the fault was not injected"
+    round2 = [r for r in server.rows if r["round"] == 2]
+    monkeypatch.undo()
+    clean = _cluster(tmp_path, "restart-clean")
+    assert clean.run(max_steps=2_000_000) == 0
+    (clean2,) = [r for r in clean.server.rows if r["round"] == 2]
+    if lose == "all":
+        assert [r["outcome"] for r in round2] == ["lost", "completed"]
+        got, want = _model(cluster.run_dir), _model(clean.run_dir)
+        assert all(np.array_equal(got[k], want[k]) for k in want)
+    else:
+        assert len(dropped) == 1
+        (row,) = round2
+        assert row["outcome"] == "completed"
+        assert row["participants"] == clean2["participants"] - 1
+        assert row["dropped"] == clean2["dropped"] + 1
