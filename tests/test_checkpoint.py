@@ -8,13 +8,11 @@ saved. Config values such as ``train.lr: .inf`` are refused wherever they appear
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
 import subprocess
 import sys
-from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -334,38 +332,51 @@ def test_a_save_that_did_not_finish_leaves_nothing_in_the_replay(
     assert (tmp_path / "ledger.jsonl").stat().st_size == got.mark["bytes"]
 
 
+_FULL_DISK = """
+import resource, signal, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+from tests.test_checkpoint import _journaled, _replayed
+from services.server import checkpoint
+
+run = Path(sys.argv[1])
+journal = checkpoint.Journal(run, None)
+checkpoint.save(run, _journaled(1), journal)
+size = (run / "ledger.jsonl").stat().st_size
+# the file may grow by 20 bytes more: the next line's write stops part way (EFBIG), as ENOSPC does
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (size + 20, resource.RLIM_INFINITY))
+try:
+    checkpoint.save(run, _journaled(2), journal)
+except OSError as err:
+    print("failed:", err.errno)
+resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+print("size:", (run / "ledger.jsonl").stat().st_size == size)
+checkpoint.save(run, _journaled(2), journal)
+checkpoint.save(run, _journaled(3), journal)
+rounds, selected = _replayed(checkpoint.load(run))
+print("replay:", rounds, sorted(selected.items()))
+"""
+
+
 def test_a_disk_that_fills_during_the_append_leaves_no_partial_line(tmp_path: Path) -> None:
-    """The append itself can fail half-way (ENOSPC after some bytes reached the file): the half
-    line is cut, so the next save's line follows whole lines and the journal still replays."""
-    journal = checkpoint.Journal(tmp_path, None)
-    checkpoint.save(tmp_path, _journaled(1), journal)
-    size = (tmp_path / "ledger.jsonl").stat().st_size
+    """A real short write (a file-size limit, which fails a write part way as a full disk does): the
+    bytes that reached the file are cut, so the same process's next saves follow whole lines and
+    both checkpoints still replay. In a subprocess: the limit holds for the whole process."""
+    import errno
 
-    class HalfWriter:
-        def __init__(self, f: Any) -> None:
-            self.f = f
-
-        def write(self, data: bytes) -> int:
-            self.f.write(data[: len(data) // 2])
-            self.f.flush()
-            raise OSError("No space left on device")
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self.f, name)
-
-    class FullDisk(type(tmp_path)):  # type: ignore[misc]
-        @contextlib.contextmanager
-        def open(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
-            with Path(self).open(*args, **kwargs) as f:
-                yield HalfWriter(f)
-
-    real, journal.run_dir = journal.run_dir, FullDisk(journal.run_dir)
-    with pytest.raises(OSError, match="No space"):
-        checkpoint.save(tmp_path, _journaled(2), journal)
-    journal.run_dir = real
-    assert (tmp_path / "ledger.jsonl").stat().st_size == size
-    checkpoint.save(tmp_path, _journaled(2), journal)
-    assert _replayed(checkpoint.load(tmp_path)) == ([1, 2], {1: 1, 2: 2, 100: 2})
+    out = subprocess.run(
+        [sys.executable, "-c", _FULL_DISK, str(tmp_path), str(Path(__file__).resolve().parents[1])],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout.splitlines()
+    assert out == [
+        f"failed: {errno.EFBIG}",
+        "size: True",
+        "replay: [1, 2, 3] [(1, 1), (2, 2), (3, 3), (100, 3)]",
+    ]
 
 
 def test_a_resume_reads_the_journal_one_line_at_a_time(tmp_path: Path) -> None:

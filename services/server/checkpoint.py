@@ -39,6 +39,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import re
 import shutil
 import zipfile
@@ -147,13 +148,19 @@ class Journal:
     def append(self, data: bytes) -> Mark:
         """Append ``data`` (whole lines); returns the mark of the journal after it."""
         self._before = (self._hash.copy(), self._size, self.file, self._base)
-        with self.path.open("ab") as f:
-            try:
-                f.write(data)
-                f.flush()
-            except BaseException:  # e.g. a full disk: no partial line may stay behind
-                f.truncate(self._size)
-                raise
+        # unbuffered at the mark: a full disk fails a write after part of it reached the file, and
+        # a buffered file would try (and fail) to flush the rest before truncating; the cut is made
+        # by path, after the file is closed, so no partial line stays behind
+        try:
+            with self.path.open("r+b", buffering=0) as f:
+                f.seek(self._size)
+                view = memoryview(data)
+                while view:
+                    view = view[f.write(view) or 0 :]
+                f.truncate()
+        except BaseException:
+            os.truncate(self.path, self._size)
+            raise
         self._hash.update(data)
         self._size += len(data)
         return self._mark()
@@ -196,7 +203,8 @@ class Journal:
 
 
 def _prune(run_dir: Path, keep: set[str]) -> None:
-    """Delete the journal generations that no checkpoint in ``keep`` covers."""
+    """Delete the journal generations that no checkpoint in ``keep`` covers (``checkpoint.corrupt``,
+    kept only for a post-mortem, does not count: its generation may go)."""
     for path in run_dir.glob("ledger*.jsonl"):
         if _GENERATION.fullmatch(path.name) and path.name not in keep:
             path.unlink(missing_ok=True)
@@ -364,6 +372,7 @@ def _read(path: Path, *, replay: bool = False) -> Checkpoint:
         if not (
             isinstance(found, dict)
             and isinstance(found.get("bytes"), int)
+            and found["bytes"] >= 0
             and isinstance(found.get("sha256"), str)
         ):
             raise CheckpointError(f"{META} holds no valid journal mark")
