@@ -193,3 +193,24 @@ def reduce_two_ways(strategy: Any, updates: list[Any], rnd: Any) -> tuple[Any, A
     for i in order[cut:]:
         right = strategy.reduce(right, updates[i])
     return one, strategy.merge(right, left)
+
+
+def tap_inproc_publishes(monkeypatch: pytest.MonkeyPatch, tap: Any) -> None:
+    """Route every in-process publish through ``tap(key, transient)`` first: it returns whether
+    the message goes on to the broker (False: the broker took it, then lost it)."""
+    from shared.transport.inproc import InprocTransport
+
+    publish = InprocTransport.publish
+
+    def tapped(
+        self: InprocTransport,
+        key: str,
+        body: bytes,
+        headers: dict[str, Any] | None = None,
+        *,
+        transient: bool = False,
+    ) -> None:
+        if tap(key, transient):
+            publish(self, key, body, headers, transient=transient)
+
+    monkeypatch.setattr(InprocTransport, "publish", tapped)

@@ -475,6 +475,17 @@ def test_the_summary_of_a_replayed_ledger_equals_the_live_one_to_the_last_bit() 
     assert next(iter(tiers.values()))["virtual_seconds"] == 1e16 + 2
 
 
+def _save_like_the_server(run_dir: Path, r: int, ledger: Any, journal: checkpoint.Journal) -> bool:
+    """Round ``r``'s checkpoint as ``Server._save_checkpoint`` makes it; whether it compacted."""
+    whole = journal.compacting()
+    ckpt = Checkpoint(
+        r, _ckpt(r).state, ledger.to_checkpoint(), ledger.to_journal(whole=whole), snapshot=whole
+    )
+    checkpoint.save(run_dir, ckpt, journal)
+    ledger.journaled()
+    return whole
+
+
 def test_a_compacted_journal_keeps_two_generations_and_replays_like_the_ledger(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -493,13 +504,8 @@ def test_a_compacted_journal_keeps_two_generations_and_replays_like_the_ledger(
         ledger.rows.append({"round": r, "accuracy": 0.01 * r})
         for d in (r % 7, 100 + r):
             ledger.stats(d).selected += 1
-        whole = journal.compacting()
+        whole = _save_like_the_server(tmp_path, r, ledger, journal)
         rotations += whole
-        ckpt = Checkpoint(
-            r, _ckpt(r).state, ledger.to_checkpoint(), ledger.to_journal(whole=whole), snapshot=whole
-        )
-        checkpoint.save(tmp_path, ckpt, journal)
-        ledger.journaled()
         saved.append(
             (
                 [dict(row) for row in ledger.rows],
@@ -535,13 +541,7 @@ def test_a_compacted_journal_keeps_two_generations_and_replays_like_the_ledger(
     for r2 in range(r, last):
         again.rows.append({"round": r2})
         again.stats(r2 % 5).selected += 1
-        whole = journal.compacting()
-        rotations += whole
-        ckpt = Checkpoint(
-            r2, _ckpt(r2).state, again.to_checkpoint(), again.to_journal(whole=whole), snapshot=whole
-        )
-        checkpoint.save(tmp_path, ckpt, journal)
-        again.journaled()
+        rotations += _save_like_the_server(tmp_path, r2, again, journal)
     got = checkpoint.load(tmp_path)
     assert got is not None
     final = RunLedger("e", "fedavg")

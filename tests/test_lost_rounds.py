@@ -22,7 +22,7 @@ from shared import metrics
 from shared.config import load_config
 from shared.experiment import Experiment
 from shared.schemas import Kind, Ready, Receipt, Reject, RoundOpen
-from tests.conftest import write_config
+from tests.conftest import tap_inproc_publishes, write_config
 
 ROUNDS = 3
 #: the wall-clock deadline of a round: what a lost attempt waits before it is declared lost. A first
@@ -312,30 +312,21 @@ def test_updates_a_broker_restart_loses_leave_their_devices_silent(
     the model of a clean run. ``one``: the round completes with the others, and the lost update's
     device counts as dropped, as if its host had crashed."""
     from shared.transport.base import KEY_UPDATE
-    from shared.transport.inproc import InprocTransport
 
     cluster = _cluster(tmp_path, f"restart-{lose}")
     server = cluster.server
     dropped: list[int] = []
-    publish = InprocTransport.publish
 
-    def lossy(
-        self: InprocTransport,
-        key: str,
-        body: bytes,
-        headers: dict[str, Any] | None = None,
-        *,
-        transient: bool = False,
-    ) -> None:
+    def lossy(key: str, transient: bool) -> bool:
         rs = server.rs
         if key == KEY_UPDATE and rs is not None and rs.number == 2 and rs.attempt == 1:
             assert transient, "an update was published persistent"
             if lose == "all" or not dropped:
                 dropped.append(rs.attempt)
-                return  # taken by the broker, then lost with it
-        publish(self, key, body, headers, transient=transient)
+                return False  # taken by the broker, then lost with it
+        return True
 
-    monkeypatch.setattr(InprocTransport, "publish", lossy)
+    tap_inproc_publishes(monkeypatch, lossy)
     assert cluster.run(max_steps=2_000_000) == 0
     assert dropped, "no update of round 2 was published: the fault was not injected"
     round2 = [r for r in server.rows if r["round"] == 2]
