@@ -51,8 +51,8 @@ lint: $(STAMP)  ## ruff and mypy
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy shared services tests benchmarks load_tests
 
-bench-scale: setup broker  ## 10,000 and 100,000 devices over RabbitMQ: memory, registration, rounds → benchmarks/results-scale.md
-	RABBITMQ_URL=$$(PYTHON=$(PY) scripts/ensure_broker.sh) $(PY) benchmarks/bench_scale.py --out benchmarks/results-scale.md
+bench-scale: setup broker  ## 10,000 and 100,000 devices over RabbitMQ: memory, registration, rounds, CPU by role → appended to benchmarks/results-scale.md
+	RABBITMQ_URL=$$(PYTHON=$(PY) scripts/ensure_broker.sh) $(PY) benchmarks/bench_scale.py --out benchmarks/results-scale.md --append
 	RABBITMQ_URL=$$(PYTHON=$(PY) scripts/ensure_broker.sh) $(PY) benchmarks/bench_scale.py --devices 100000 --samples-per-device 6 --out benchmarks/results-scale.md --append
 
 bench: setup broker  ## benchmarks → benchmarks/results.md

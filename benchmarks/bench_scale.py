@@ -18,7 +18,15 @@ over-selection 1.3 (so 1.3x that many invited), over RabbitMQ with separate proc
 * **registration**: from the server's start until every device is served by a host;
 * **round wall time** of every round, next to a **plain-loop floor**: the same invited devices'
   local training (the same tasks, ``strategy.train``) in one plain Python loop, no messaging,
-  measured in this run. ``slowest round / floor`` is the price of the plumbing at scale.
+  measured in this run. ``slowest round / floor`` is the price of the plumbing at scale, and each
+  round against its own floor says the same without round 1's warm-up;
+* **CPU seconds per round by role** (broker, client hosts, aggregators, server, the benchmark's own
+  samplers), rounds 2 to N-1, from ``/proc`` as each round ends: on 2 cores a round at this scale is
+  bound by all processes' CPU together, so this is where "the rest of the time" goes.
+
+``--out FILE --append`` (what ``make bench-scale`` does) adds a section headed with the date, the
+commit and the CPU to FILE, so runs of different sessions and machines stay side by side; ``--out``
+alone replaces FILE.
 
 The broker (``beam.smp``) is counted whole: on a shared machine it includes others' queues. Only the
 broker listening on ``RABBITMQ_URL``'s port is counted (other brokers on the machine, such as the
@@ -47,7 +55,7 @@ for path in (str(REPO), str(Path(__file__).resolve().parent)):
     if path not in sys.path:
         sys.path.insert(0, path)
 
-from bench_rounds import _roles  # noqa: E402
+from bench_rounds import _cpu_seconds, _roles  # noqa: E402
 
 RUN_TIMEOUT_S = 1800.0
 
@@ -156,6 +164,72 @@ class MemorySampler:
         self._stop.set()
 
 
+@dataclass
+class CpuSampler:
+    """CPU seconds of the run's processes by role, snapshotted as each round ends.
+
+    Why: on 2 cores a round at this scale is bound by the CPU of all processes together (the
+    broker, the client hosts, the aggregators, the server), not by any latency, so "where does the
+    rest of the time go" is answered by CPU seconds per round and role (issue 16, item 5). It polls
+    ``rounds.csv`` often (``interval_s``) so that a snapshot lies close to a round's end; its own CPU
+    (and the PSS sampler's, which shares this process) is reported as ``bench`` because it competes
+    with the run for the same cores.
+    """
+
+    parent: int
+    rounds_csv: Path
+    broker: int | None = None
+    interval_s: float = 0.05
+    #: (rounds done, CPU seconds by pid) at each round's end, the first as soon as one is done
+    snapshots: list[tuple[int, dict[int, float]]] = field(default_factory=list)
+    roles: dict[int, str] = field(default_factory=dict)
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        done = 0
+        while not self._stop.wait(self.interval_s):
+            try:
+                now = max(0, len(self.rounds_csv.read_text().splitlines()) - 1)
+            except OSError:
+                continue
+            if now <= done:
+                continue
+            done = now
+            if not self.roles:
+                roles = _roles(self.parent, broker=True)
+                self.roles = {
+                    pid: r for pid, r in roles.items() if r != "broker" or self.broker in (None, pid)
+                }
+                self.roles[os.getpid()] = "bench"
+            cpu = {pid: c for pid in self.roles if (c := _cpu_seconds(pid)) is not None}
+            self.snapshots.append((done, cpu))
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def per_round(self, last: int) -> tuple[int, dict[str, float]] | None:
+        """CPU seconds per round by role over rounds 2 to ``last - 1``, and how many rounds that is.
+
+        Round 1 is the warm-up (imports, first connections) and the last round's end is followed by
+        the run's own end (results, plots), which a snapshot taken a few ms late would count. None
+        when the run had too few rounds or a snapshot is missing (a process that exited mid-run:
+        a client killed by its memory budget, say, is left out of both ends).
+        """
+        by_done = dict(self.snapshots)
+        first, end = by_done.get(1), by_done.get(last - 1)
+        if first is None or end is None or last - 2 < 1:
+            return None
+        n = last - 2
+        out: dict[str, float] = {}
+        for pid, role in self.roles.items():
+            if pid in first and pid in end:
+                out[role] = out.get(role, 0.0) + (end[pid] - first[pid]) / n
+        return n, out
+
+
 def _names(roles: dict[int, str]) -> dict[int, str]:
     """pid → a readable name: the role plus the service's --id, if any."""
     out = {}
@@ -240,15 +314,19 @@ def run(
         )
         broker = broker_pid(amqp_port())
         sampler = MemorySampler(proc.pid, broker)
+        cpu = CpuSampler(proc.pid, runs_dir / run_id / "rounds.csv", broker)
+        cpu.start()
         time.sleep(0.5)
         sampler.start()
         try:
             rc = proc.wait(RUN_TIMEOUT_S)
         finally:
             sampler.stop()
+            cpu.stop()
     if rc != 0:
         raise RuntimeError(f"fedfleet run exited with {rc}; see {log_path}")
     run_dir = runs_dir / run_id
+    cpu_rounds = cpu.per_round(rounds)
     rows = [json.loads(json.dumps(r)) for r in _rows(run_dir)]
     registered = _registration_s(run_dir / "logs" / "server.log")
     floor = plain_floor(cfg_path, run_dir)
@@ -262,6 +340,9 @@ def run(
         "round_s": [float(r["round_seconds"]) for r in rows],
         "floor_s": floor,
         "participants": [int(r["participants"]) for r in rows],
+        "cpu_rounds": cpu_rounds[0] if cpu_rounds else 0,
+        "cpu_s_per_round": dict(sorted(cpu_rounds[1].items())) if cpu_rounds else {},
+        "cores": os.cpu_count() or 1,
     }
 
 
@@ -288,6 +369,7 @@ def _registration_s(server_log: Path) -> float | None:
 def table(r: dict[str, Any], devices: int, per_round: int) -> str:
     slowest = max(r["round_s"])
     floor = max(r["floor_s"])
+    ratios = zip(r["round_s"], r["floor_s"], strict=True)
     lines = [
         f"{devices:,} registered devices, {per_round:,} kept per round (over-selection 1.3), "
         f"{len(r['round_s'])} rounds; run `{r['run_dir']}`.",
@@ -299,12 +381,82 @@ def table(r: dict[str, Any], devices: int, per_round: int) -> str:
         f"| round wall time, each | {' / '.join(f'{x:.2f}' for x in r['round_s'])} s |",
         f"| plain-loop floor, each round | {' / '.join(f'{x:.2f}' for x in r['floor_s'])} s |",
         f"| slowest round / slowest floor | {slowest / floor:.2f}x |",
+        f"| each round / its own floor | {' / '.join(f'{a / b:.2f}x' for a, b in ratios)} |",
         "",
         "| process | peak PSS (MiB) |",
         "|---|---|",
         *(f"| {k} | {v:.0f} |" for k, v in r["peak_pss_by_process_mib"].items()),
     ]
-    return "\n".join(lines)
+    return "\n".join(lines + cpu_table(r))
+
+
+#: how the CPU table names a role of ``bench_rounds._roles`` (and this benchmark's own process)
+CPU_ROLES = {
+    "broker": "broker",
+    "client": "client hosts",
+    "aggregator": "aggregators",
+    "server": "server",
+    "cli": "`fedfleet run`",
+    "zygote": "fork server",
+    "bench": "this benchmark (its samplers)",
+}
+
+
+def cpu_table(r: dict[str, Any]) -> list[str]:
+    """Where a round's time goes: CPU seconds per round by role, against the cores and the floor."""
+    cpu: dict[str, float] = r.get("cpu_s_per_round") or {}
+    if not cpu:
+        return ["", "(CPU by role: not measured; the run needs at least 3 rounds)"]
+    n, cores = r["cpu_rounds"], r["cores"]
+    total = sum(cpu.values())
+    rounds = r["round_s"][1 : 1 + n]
+    floors = r["floor_s"][1 : 1 + n]
+    mean_round, mean_floor = sum(rounds) / n, sum(floors) / n
+    lines = [
+        "",
+        f"CPU seconds per round by role, rounds 2–{n + 1} (from `/proc`, snapshotted as each round ends; "
+        f"mean round {mean_round:.2f} s, mean floor {mean_floor:.2f} s):",
+        "",
+        "| role | CPU s per round | share | x floor |",
+        "|---|---:|---:|---:|",
+    ]
+    for role, secs in sorted(cpu.items(), key=lambda kv: -kv[1]):
+        lines.append(
+            f"| {CPU_ROLES.get(role, role)} | {secs:.2f} | {secs / total:.0%} | {secs / mean_floor:.2f} |"
+        )
+    lines += [
+        f"| **all** | {total:.2f} | 100% | {total / mean_floor:.2f} |",
+        "",
+        f"All processes' CPU per round / {cores} cores = {total / cores:.2f} s: no schedule of this "
+        f"work makes a round shorter ({total / cores / mean_floor:.2f}x the floor; the mean round took "
+        f"{mean_round / (total / cores):.2f}x that bound).",
+    ]
+    return lines
+
+
+def _provenance() -> str:
+    """When, at which commit and on which CPU a run was made: the heading of an appended section.
+
+    Why: round times and their ratios to the floor move with the machine (a host with AVX-512 trains
+    this model ~2.4x faster than one without, so the same plumbing is a larger multiple of its floor),
+    and results from different sessions sit in the same file.
+    """
+    commit = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    model = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    simd = "AVX-512" if " avx512f" in flags else "AVX2" if " avx2" in flags else "no AVX2"
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    machine = f"{model}, {simd}, {os.cpu_count()} cores"
+    return f"`make bench-scale`, {when}, main at {commit or 'unknown'} ({machine})"
 
 
 def main() -> int:
@@ -334,9 +486,9 @@ def main() -> int:
     text = table(r, args.devices, args.per_round)
     if args.out:
         command = " ".join(["python", "benchmarks/bench_scale.py", *sys.argv[1:]])
-        block = f"Command: `{command}` ({time.strftime('%Y-%m-%d')})\n\n{text}\n"
+        block = f"Command: `{command}`\n\n{text}\n"
         if args.append and args.out.exists():
-            block = args.out.read_text() + "\n" + block
+            block = f"{args.out.read_text()}\n## {_provenance()}\n\n{block}"
         args.out.write_text(block)
     print(text)
     return 0
