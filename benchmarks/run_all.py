@@ -1,10 +1,10 @@
-"""Run every benchmark (codec, envelope, recv, rounds, transfer, broker, checkpoint); write one report.
+"""Run every benchmark (codec, mac, envelope, recv, rounds, transfer, broker, checkpoint); write one report.
 
 ``make bench`` calls this.
 
 Usage: ``python benchmarks/run_all.py --out benchmarks/results.md
-[--only codec envelope recv rounds transfer broker checkpoint] [--rounds 12] [--clients 2] [--aggregators 1]
-[--runs-dir runs]``.
+[--only codec mac envelope recv rounds transfer broker checkpoint] [--rounds 12] [--clients 2]
+[--aggregators 1] [--runs-dir runs]``.
 
 Why one report that starts with its own provenance: benchmark numbers are only comparable with the
 command, the date and the machine (cores, CPU, and how busy it was: the load average at the start
@@ -42,11 +42,12 @@ import bench_broker  # noqa: E402
 import bench_checkpoint  # noqa: E402
 import bench_codec  # noqa: E402
 import bench_envelope  # noqa: E402
+import bench_mac  # noqa: E402
 import bench_recv  # noqa: E402
 import bench_rounds  # noqa: E402
 import bench_transfer  # noqa: E402
 
-BENCHMARKS = ("codec", "envelope", "recv", "rounds", "transfer", "broker", "checkpoint")
+BENCHMARKS = ("codec", "mac", "envelope", "recv", "rounds", "transfer", "broker", "checkpoint")
 
 
 def _redact(url: str) -> str:
@@ -134,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(stderr=True)
     steps = {
         "codec": 1,
+        "mac": 1,
         "envelope": 1,
         "recv": 1,
         "rounds": bench_rounds.step_count((10, 50), bench_rounds.TRANSPORTS),
@@ -158,8 +160,13 @@ def main(argv: list[str] | None = None) -> int:
         say("codec: encode/decode throughput")
         return bench_codec.run(5)
 
+    def mac(say: Callable[[str], None]) -> str:
+        say("mac: each schema version's MAC of an update")
+        return bench_mac.run(5)
+
     jobs: dict[str, tuple[str, Callable[[Callable[[str], None]], str]]] = {
         "codec": ("Codec throughput", codec),
+        "mac": ("A device message's MAC", mac),
         "envelope": (
             "Message overhead by algorithm and kind",
             lambda say: _envelope(say),

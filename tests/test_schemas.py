@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 
+import blake3
 import numpy as np
 import pytest
 from hypothesis import given
@@ -15,9 +18,11 @@ from shared.schemas import (
     ACCEPTED_VERSIONS,
     BODY_MODELS,
     KIND_CODES,
+    MAC_KEY_CONTEXT,
     PREVIOUS_VERSION,
     SCHEMA_VERSION,
     DecodeError,
+    Envelope,
     Flush,
     Heartbeat,
     Kind,
@@ -112,14 +117,16 @@ def test_every_message_round_trips_in_the_previous_version(kind: Kind) -> None:
     message of its own as a service does on the way out) reads back as the same message."""
     body = _sample(kind)
     assert isinstance(body, BODY_MODELS[kind])
-    for inc in ("abcd", "0a0b0c0d"):  # a 4-byte incarnation is an int in version 5, a bin in 4
+    for inc in ("abcd", "0a0b0c0d"):  # a 4-byte incarnation is an int, any other a bin
         data = encode(kind, body, exp="e1", round=4, sender="s", inc=inc, version=PREVIOUS_VERSION)
         mine = encode(kind, body, exp="e1", round=4, sender="s", inc=inc)
         for wire in (data, transcode(mine, PREVIOUS_VERSION, exp="e1")):
             raw = codec.unpackb(wire, max_bytes=LIMIT)
-            assert raw[0] == PREVIOUS_VERSION and isinstance(raw[3], bytes)
+            assert raw[0] == PREVIOUS_VERSION and isinstance(raw[3], int if len(inc) == 8 else bytes)
+            assert raw[1:] == codec.unpackb(mine, max_bytes=LIMIT)[1:]  # versions 5 and 6: one layout
             env, back = decode(wire, max_bytes=LIMIT, exp="e1")
-            assert (env.v, env.kind, env.exp, env.round, env.sender, env.inc) == (4, kind, "e1", 4, "s", inc)
+            want = (PREVIOUS_VERSION, kind, "e1", 4, "s", inc)
+            assert (env.v, env.kind, env.exp, env.round, env.sender, env.inc) == want
             assert back.model_dump() == body.model_dump()
         assert decode(mine, max_bytes=LIMIT)[0].inc == inc
 
@@ -221,33 +228,44 @@ def test_a_devices_mac_binds_device_round_and_every_byte(a: int, b: int, rnd: in
     assert decode(other[: len(data)], max_bytes=LIMIT, exp="e")[0].mac == env.mac
 
 
-# -- the lean wire form (versions 4 and 5), its tensor sets, and the previous version -------------
-def _v4_update(head: object, blob: bytes, counts: list[int], exp: str = "e") -> bytes:
-    """An update as a build of schema version 4 wrote it, by hand: its tensor set
-    ``[head, blob, counts]`` is a field of the body (a bin inside the body's bin), its references
-    version 4's."""
-    body = codec.packb([5, 10, [head, blob, counts] if counts else [head, blob]])
-    return codec.packb([4, KIND_CODES[Kind.UPDATE], exp_tag(exp), b"\x0a", 2, "", body])
+# -- the lean wire form, its tensor sets, and the previous version -------------------------------
+def _mac_by_hand(v: int, key: str, env: Envelope) -> bytes:
+    """A message's MAC computed here from its parts, apart from ``shared.schemas._mac``."""
+    head = f"{v}|{env.kind.value}|{env.exp}|{env.round}|{env.inc}|{len(env.body)}|".encode()
+    if v == 5:
+        return hmac.new(bytes.fromhex(key), head + env.body + env.telemetry, hashlib.sha256).digest()[:16]
+    k = blake3.blake3(bytes.fromhex(key), derive_key_context=MAC_KEY_CONTEXT).digest()
+    return blake3.blake3(head + env.body + env.telemetry, key=k).digest(16)
 
 
-def test_the_previous_version_is_read() -> None:
-    """Rolling upgrade: a build reads its own version and the one before (ACCEPTED_VERSIONS),
-    version 4's tensor references included (``index << 4 | code``, a slice's mask after it)."""
-    assert ACCEPTED_VERSIONS == (4, SCHEMA_VERSION) and SCHEMA_VERSION == 5
-    known = [["w", 0, 1, [2, 3]], ["b", 0, 1, [3]]]
-    d = tensorset.digest(known)
-    w = np.arange(6, dtype=np.float32).reshape(2, 3)
-    blob = b"\x01" + w[1:].tobytes() + np.ones(3, np.float32).tobytes()
-    # "w" sliced on axis 0 (kept: row 1), "b" dense: refs 0 << 4 | 4 with mask 1, then 1 << 4 | 0
-    data = _v4_update([d, 0 << 4 | 4, 1, 1 << 4 | 0], blob, [1])
-    env, body = decode(data, max_bytes=LIMIT, exp="e", layouts={d: known})
-    assert (env.v, env.kind, env.round, body.device_id, body.num_samples) == (4, Kind.UPDATE, 2, 5, 10)
-    got = codec.decode(body.tensors["w"])
-    assert isinstance(got, codec.Sliced) and got == codec.Sliced.from_dense(w, [np.array([1]), None])
-    assert codec.decode(body.tensors["b"]) == codec.Dense(np.ones(3, np.float32))
+def test_the_previous_version_is_read_and_each_version_has_its_own_mac() -> None:
+    """Rolling upgrade: a build reads its own version and the one before (ACCEPTED_VERSIONS). A host
+    of the previous build MACs its update with HMAC-SHA-256, this build with keyed BLAKE3 (schema
+    version 6); each verifies under its own version only, so a MAC cannot be carried across."""
+    assert ACCEPTED_VERSIONS == (5, SCHEMA_VERSION) and SCHEMA_VERSION == 6
+    key = task_key("ab" * 16, 2, 5)
+    w = codec.encode(codec.Dense(np.arange(6, dtype=np.float32).reshape(2, 3)))
+    upd = Update(device_id=5, num_samples=10, tensors={"w": w}, metrics={"train_loss": 0.5})
+    envs = {}
+    for v in ACCEPTED_VERSIONS:
+        data = encode(Kind.UPDATE, upd, exp="e", round=2, sender="", inc="0a0b0c0d", key=key, version=v)
+        env, body = decode(data, max_bytes=LIMIT, exp="e")
+        assert (env.v, body.device_id, body.num_samples) == (v, 5, 10)
+        assert codec.decode(body.tensors["w"]) == codec.decode(w)
+        assert verify(env, key) and env.mac == _mac_by_hand(v, key, env)
+        envs[v] = env
+    assert envs[5].body == envs[6].body and envs[5].mac != envs[6].mac
+    for v, other in ((5, 6), (6, 5)):  # a MAC relabelled with the other version fails
+        assert not verify(envs[v].model_copy(update={"v": other}), key)
+
+
+def test_version_4_is_no_longer_read() -> None:
+    """A build reads two versions: version 4 (the tensor set a bin inside the body's bin) is
+    dead-lettered as ``schema``, and says it is older, not newer."""
+    data = codec.packb([4, KIND_CODES[Kind.UPDATE], exp_tag("e"), b"\x0a", 2, "", codec.packb([5, 10])])
     with pytest.raises(DecodeError) as err:
-        decode(_v4_update([d, 1 << 4 | 0], blob[-12:], [], exp="f"), max_bytes=LIMIT, exp="e")
-    assert err.value.reason == "unknown-experiment"
+        decode(data, max_bytes=LIMIT, exp="e")
+    assert err.value.reason == "schema" and "upgrade" not in str(err.value)
 
 
 def test_bytes_after_a_body_that_no_tensor_set_takes_are_refused() -> None:
@@ -299,7 +317,7 @@ def test_a_newer_version_is_refused_with_a_reason() -> None:
         [SCHEMA_VERSION, 999, 0, b"", 1, "", b""],  # unknown kind code
         [SCHEMA_VERSION, 0, 0, "not-bin", 1, "", b""],  # incarnation must be bin or a 32-bit int
         [SCHEMA_VERSION, 0, 0, 1 << 32, 1, "", b""],  # an int wider than 32 bits
-        [PREVIOUS_VERSION, 0, 0, 7, 1, "", b""],  # version 4 wrote the incarnation as a bin only
+        [4, 0, 0, b"", 1, "", b""],  # version 4: no longer read
         [SCHEMA_VERSION, 0, 0, b""],  # too short
         [SCHEMA_VERSION, 0, 0, b"", -1, "", b""],  # negative round
     ],
@@ -398,11 +416,10 @@ def test_a_tensor_set_round_trips_inline_by_digest_and_by_reference() -> None:
         tensorset.unpack(short, {})
 
 
-@pytest.mark.parametrize("refs", [tensorset.REFS, tensorset.REFS_V4])
-def test_references_into_a_known_layout_in_either_dialect(refs: int) -> None:
+def test_references_into_a_known_layout() -> None:
     """A device's update of a dense model: entries skipped, sliced on one or both axes, reshaped to
-    a vector or to a matrix, and one out of order — each round-trips in both dialects, and version
-    5's refs are one byte each (the index implied by the order, a slice's axes inside the ref)."""
+    a vector or to a matrix, and one out of order — each round-trips, and a ref is one byte (the
+    index implied by the order, a slice's axes inside the ref)."""
     w = np.arange(24, dtype=np.float32).reshape(4, 6)
     known_t = {n: codec.encode(codec.Dense(w)) for n in ("a", "b", "c", "d", "e")}
     layout = tensorset.to_wire(known_t)[0]
@@ -414,32 +431,30 @@ def test_references_into_a_known_layout_in_either_dialect(refs: int) -> None:
         "e": codec.encode(codec.Dense(w[:2].reshape(2, 2, 3))),  # reshaped, not to a vector
         "a": codec.encode(codec.Sparse.from_dense(w, w > 10), sparse_format="coo"),  # out of order
     }
-    wire = tensorset.to_wire(update, {d: layout}, refs=refs)
+    wire = tensorset.to_wire(update, {d: layout})
     assert isinstance(wire[0], list) and wire[0][0] == d
-    back, inline = tensorset.unpack(codec.unpackb(codec.packb(wire), max_bytes=LIMIT), {d: layout}, refs)
+    back, inline = tensorset.unpack(codec.unpackb(codec.packb(wire), max_bytes=LIMIT), {d: layout})
     _same(update, back)
     assert inline is None
-    if refs == tensorset.REFS:
-        sliced, skip = 4, 16
-        assert wire[0][1:] == [
-            1 << 5 | skip | 4, 1,  # "b": skip one entry, sliced on axis 0
-            3 << 5 | sliced,  # "c": sliced on both axes
-            8 | 0, 3,  # "d": a vector of 3
-            8 | 0, [2, 2, 3],  # "e"
-            ["a", 3, 1, [4, 6]],  # "a" comes before the entries already named: in full
-        ]  # fmt: skip
+    sliced, skip = 4, 16
+    assert wire[0][1:] == [
+        1 << 5 | skip | 4, 1,  # "b": skip one entry, sliced on axis 0
+        3 << 5 | sliced,  # "c": sliced on both axes
+        8 | 0, 3,  # "d": a vector of 3
+        8 | 0, [2, 2, 3],  # "e"
+        ["a", 3, 1, [4, 6]],  # "a" comes before the entries already named: in full
+    ]  # fmt: skip
 
 
 @given(st.lists(st.one_of(st.integers(-2, 300), st.lists(st.integers(0, 9), max_size=3)), max_size=8))
 def test_hostile_references_raise_codec_errors_only(items: list[object]) -> None:
     layout = tensorset.to_wire({"w": codec.encode(codec.Dense(np.zeros((2, 3), np.float32)))})[0]
     d = tensorset.digest(layout)
-    for refs in (tensorset.REFS, tensorset.REFS_V4):
-        with contextlib.suppress(codec.CodecError):
-            out, _ = tensorset.unpack([[d, *items], bytes(64), [1, 1, 1]], {d: layout}, refs)
-            for t in out.values():
-                with contextlib.suppress(codec.CodecError):
-                    codec.decode(t)
+    with contextlib.suppress(codec.CodecError):
+        out, _ = tensorset.unpack([[d, *items], bytes(64), [1, 1, 1]], {d: layout})
+        for t in out.values():
+            with contextlib.suppress(codec.CodecError):
+                codec.decode(t)
 
 
 @pytest.mark.parametrize("cut", [1, 4])

@@ -1,16 +1,16 @@
-"""Version skew: a client host of the previous build (schema version 4) in a run of this one (5).
+"""Version skew: a client host of the previous build (schema version 5) in a run of this one (6).
 
 The previous build is taken from this repository's own history (:data:`OLD_BUILD`, the last commit
-that wrote version 4) with ``git archive`` and run with this venv: it needs the same packages. What
+that wrote version 5) with ``git archive`` and run with this venv: it needs the same packages. What
 is checked (docs/wire.md, "Versions on the wire"):
 
-* every message a server sends a host, written in version 4 here, is read by the old build's own
-  ``decode``, and what the old build writes — version 4's tensor references too — is read (and its
+* every message a server sends a host, written in version 5 here, is read by the old build's own
+  ``decode``, and what the old build writes — with version 5's MAC, HMAC-SHA-256 — is read (and its
   MACs verified) here;
 * over RabbitMQ, with real processes: this build's server and aggregator, a client host of this
   build and one of the old build. Every round completes, the old host's devices take part in each
   (their updates merged), the model equals the same experiment's run in one process of this build,
-  and nothing is dead-lettered for ``schema`` — except a version 6 message the test sends the
+  and nothing is dead-lettered for ``schema`` — except a version 7 message the test sends the
   server, which is dead-lettered with "upgrade this service".
 
 Outside a git checkout (a source tarball) the old build cannot be made: the tests skip, or fail
@@ -71,9 +71,9 @@ from tests.conftest import write_config
 from tests.test_security_e2e import ADMIN_API, _need_admin
 
 ROOT = Path(__file__).resolve().parents[1]
-#: the last commit whose build writes schema version 4 (the one before version 5: the tensor blob
-#: raw after the body's fields, one-byte references; docs/wire.md)
-OLD_BUILD = "716b8d9"
+#: the last commit whose build writes schema version 5 (the one before version 6: a device's MAC is
+#: keyed BLAKE3 instead of HMAC-SHA-256; docs/wire.md)
+OLD_BUILD = "63f34bd"
 LIMIT = 1 << 20
 EXP = "skew-unit"
 
@@ -187,7 +187,7 @@ def _tensor() -> dict[str, Any]:
 
 
 def test_what_a_server_sends_a_host_is_read_by_the_previous_build(old_build: Path, tmp_path: Path) -> None:
-    """Every kind a host receives, written in version 4 (directly, and rewritten from a version 5
+    """Every kind a host receives, written in version 5 (directly, and rewritten from a version 6
     message as a service does on its way out), decoded by the old build's ``decode``."""
     digest, key = bytes(range(1, 9)), bytes(range(16))
     inc = "0a0b0c0d"
@@ -210,7 +210,8 @@ def test_what_a_server_sends_a_host_is_read_by_the_previous_build(old_build: Pat
     read = json.loads(_old(old_build, OLD_READ, str(path)))
     assert [r.get("error") for r in read] == [None] * len(read), read
     for got, (kind, body) in zip(read, bodies + bodies, strict=True):
-        assert (got["kind"], got["v"], got["exp"], got["inc"], got["round"]) == (kind.value, 4, EXP, inc, 2)
+        want_env = (kind.value, PREVIOUS_VERSION, EXP, inc, 2)
+        assert (got["kind"], got["v"], got["exp"], got["inc"], got["round"]) == want_env
         want = body.model_dump()
         if kind is Kind.PAYLOAD:
             assert got["body"]["digest"] == digest.hex()
@@ -231,7 +232,8 @@ def test_what_the_previous_build_sends_is_read_and_its_macs_hold(old_build: Path
     _old(old_build, OLD_WRITE, str(path), round_key, digest.hex())
     beat, fetch, update, by_reference, reject = codec.unpackb(path.read_bytes(), max_bytes=LIMIT)
     env, hb = decode(beat, max_bytes=LIMIT, exp=EXP)
-    assert (env.v, hb) == (4, Heartbeat(host_id="old-host", capacity=4, holding=[1, 5], epoch=3))
+    assert env.v == PREVIOUS_VERSION
+    assert hb == Heartbeat(host_id="old-host", capacity=4, holding=[1, 5], epoch=3)
     env, f = decode(fetch, max_bytes=LIMIT, exp=EXP)
     assert isinstance(f, Fetch) and f.digest == digest
     env, upd = decode(update, max_bytes=LIMIT, exp=EXP)
@@ -239,7 +241,7 @@ def test_what_the_previous_build_sends_is_read_and_its_macs_hold(old_build: Path
     assert not verify(env, task_key(round_key, 2, 6))
     assert (upd.task_bytes, upd.timings.total(), upd.metrics) == (99, 3.5, {"train_loss": 0.25})
     assert codec.to_array(codec.decode(upd.tensors["w"])).tolist() == [0.0, 1.0, 2.0, 3.0]
-    # a slice of the model, its layout named by version 4's references into the model's layout
+    # a slice of the model, its layout named by references into the model's layout
     layout = tensorset.to_wire({"w": codec.encode(codec.Dense(np.zeros((2, 3), np.float32)))})[0]
     env, upd = decode(by_reference, max_bytes=LIMIT, exp=EXP, layouts={tensorset.digest(layout): layout})
     assert isinstance(upd, Update) and verify(env, task_key(round_key, 2, 5))
@@ -251,7 +253,7 @@ def test_what_the_previous_build_sends_is_read_and_its_macs_hold(old_build: Path
 
 def test_what_cannot_be_rewritten_is_refused_not_dropped() -> None:
     """Versions this build does not write, and a MAC'd message (only its device can make a MAC),
-    are refused; every field of version 5 has its place in version 4."""
+    are refused; every field of version 6 has its place in version 5."""
     refused = Receipt(
         device_id=1, aggregator_id="a", update_bytes=1, dense_bytes=1, num_samples=1, refused="norm"
     )
@@ -267,26 +269,27 @@ def test_what_cannot_be_rewritten_is_refused_not_dropped() -> None:
 
 
 def test_each_host_is_written_its_own_version_and_broadcasts_the_lowest_live() -> None:
+    new, prev = SCHEMA_VERSION, PREVIOUS_VERSION
     now = [1000.0]
     peers = PeerVersions(live_s=30.0, clock=lambda: now[0])
-    assert peers.version_for(KEY_CLIENTS) == SCHEMA_VERSION  # nobody heard from yet
-    peers.learn("new", 5)
-    peers.learn("old", 4)
-    peers.learn("future", 6)  # not a version this build reads: never chosen
-    peers.learn("ancient", 3)  # nor one it no longer reads
-    assert peers.versions() == {key_host("new"): 5, key_host("old"): 4}
-    assert (peers.version_for(key_host("new")), peers.version_for(key_host("old"))) == (5, 4)
-    assert peers.version_for(key_host("unknown")) == SCHEMA_VERSION
-    assert peers.version_for(KEY_CLIENTS) == 4
+    assert peers.version_for(KEY_CLIENTS) == new  # nobody heard from yet
+    peers.learn("new", new)
+    peers.learn("old", prev)
+    peers.learn("future", new + 1)  # not a version this build reads: never chosen
+    peers.learn("ancient", prev - 1)  # nor one it no longer reads
+    assert peers.versions() == {key_host("new"): new, key_host("old"): prev}
+    assert (peers.version_for(key_host("new")), peers.version_for(key_host("old"))) == (new, prev)
+    assert peers.version_for(key_host("unknown")) == new
+    assert peers.version_for(KEY_CLIENTS) == prev
     stop = encode(Kind.STOP, Stop(), exp=EXP, round=3, sender="server")
-    assert decode(peers.outgoing(KEY_CLIENTS, stop, exp=EXP), max_bytes=LIMIT)[0].v == 4
+    assert decode(peers.outgoing(KEY_CLIENTS, stop, exp=EXP), max_bytes=LIMIT)[0].v == prev
     assert peers.outgoing(key_host("new"), stop, exp=EXP) is stop
     now[0] += 20
-    peers.learn("new", 5)
-    now[0] += 20  # the old host has been silent for 40 s: gone; the broadcast goes as version 5
-    assert peers.version_for(KEY_CLIENTS) == 5
-    peers.learn("old", 5)  # the same host id back with the new image
-    assert peers.version_for(key_host("old")) == 5
+    peers.learn("new", new)
+    now[0] += 20  # the old host has been silent for 40 s: gone; the broadcast goes in the new version
+    assert peers.version_for(KEY_CLIENTS) == new
+    peers.learn("old", new)  # the same host id back with the new image
+    assert peers.version_for(key_host("old")) == new
 
 
 # -- a mixed run over RabbitMQ ----------------------------------------------------------------------

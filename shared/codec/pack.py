@@ -60,7 +60,7 @@ def unpackb(data: bytes | bytearray | memoryview, *, max_bytes: int) -> Any:
 
 def unpackb_head(data: bytes | bytearray | memoryview, *, max_bytes: int) -> tuple[Any, bytes]:
     """Like :func:`unpackb`, but the bytes after the first object are returned (as ``bytes``), not
-    refused: a body of schema version 5 is its packed fields followed by its tensors' raw blob.
+    refused: a body (schema versions 5 and 6) is its packed fields followed by its tensors' raw blob.
 
     Why not a bin for the blob: the body is a bin already, and a second frame around most of it
     costs 2–5 bytes of every device message for nothing (issue 16's 64-byte envelope).

@@ -8,7 +8,7 @@ dtypes, full shapes, which axes a slice keeps) travels once, from the server, an
 back names it by an 8-byte digest; what varies per message (the number of COO indices, a slice's
 kept lengths) are a few small integers; every raw buffer sits back to back in one ``bin``.
 
-Wire form (a msgpack array; :mod:`shared.schemas` version 5 places it in a body as
+Wire form (a msgpack array; :mod:`shared.schemas` versions 5 and 6 place it in a body as
 ``[head, *counts]`` followed by the blob, raw, after the body's fields — see ``schemas.encode``)::
 
     [head, blob, counts]       head: layout | digest | [digest, ref, ...]; counts omitted when empty
@@ -19,15 +19,14 @@ Wire form (a msgpack array; :mod:`shared.schemas` version 5 places it in a body 
 * ``[digest, ref, ...]`` — a layout built from a known one, entry by entry: each ``ref`` names an
   entry of the known layout (same name and dtype) with this tensor's code (a device sends back a
   sparse update of a dense model, SpaFL its thresholds out of a model-and-thresholds payload); an
-  entry that has no match travels in full. Schema version 5 writes a ref as
+  entry that has no match travels in full. Schema versions 5 and 6 write a ref as
   ``axes << 5 | skipped << 4 | reshaped << 3 | code``: it names the entry after the one the previous
   ref named (the first, at the start) — followed by how many entries it skips when ``skipped`` — and
   ``axes`` is the sliced-axes mask of a sliced tensor (0 for any other code). Then the shape when
   ``reshaped`` (FedTiny sends the kept values of each layer as a vector): a list, or for a vector
   its bare length. So a ref is one byte for any model (the index is implied) and a sliced one needs
-  no mask of its own. Version 4 wrote ``index << 4 | reshaped << 3 | code``, then the shape as a
-  list, then the mask when sliced (:data:`REFS_V4`; still read from, and written to, a peer of that
-  version);
+  no mask of its own (schema version 4's wider references, ``index << 4 | reshaped << 3 | code``,
+  are no longer read or written since version 6);
 * ``blob`` — per tensor, in layout order: dense/threshold ``data``; bitmask ``mask`` then ``values``;
   COO ``indices`` then ``values``; sliced: the index buffer of every sliced axis, then ``values``.
   Index buffers use the narrowest unsigned dtype for their extent, as layout v1 does;
@@ -58,9 +57,6 @@ CODES: Final = {DENSE: "dense", THRESHOLD: "threshold", BITMASK: "bitmask", COO:
 #: the value dtypes, in a fixed order: a layout names a dtype by its index here
 DTYPES: Final[tuple[str, ...]] = tuple(VALUE_DTYPES)
 DIGEST_BYTES: Final = 8
-#: the ref dialect of schema version 4 (``index << 4 | reshaped << 3 | code``, shape list, mask);
-#: :data:`REFS` is this build's (schema version 5, see the module docstring)
-REFS_V4, REFS = 4, 5
 #: most tensors in one set, and most dims per tensor (what a receiver will parse at all)
 MAX_TENSORS: Final = 4096
 MAX_NDIM: Final = 8
@@ -129,34 +125,19 @@ def pack(tensors: Mapping[str, Mapping[str, Any]]) -> tuple[Layout, list[int], l
 
 
 def to_wire(
-    tensors: Mapping[str, Mapping[str, Any]], known: Mapping[bytes, Layout] | None = None, refs: int = REFS
+    tensors: Mapping[str, Mapping[str, Any]], known: Mapping[bytes, Layout] | None = None
 ) -> list[Any]:
     """The wire form. ``known``: layouts the receiver has, by digest — the layout then goes as a
-    digest (the same layout) or as references into one of them (see the module docstring), in the
-    ``refs`` dialect (:data:`REFS`, or :data:`REFS_V4` for a peer of schema version 4)."""
+    digest (the same layout) or as references into one of them (see the module docstring)."""
     layout, counts, parts = pack(tensors)
-    out: list[Any] = [_head(layout, known or {}, refs), b"".join(parts)]
+    out: list[Any] = [_head(layout, known or {}), b"".join(parts)]
     if counts:
         out.append(counts)
     return out
 
 
-def _refs_v4(layout: Layout, ref: Layout, ref_digest: bytes) -> list[Any]:
-    where = {(e[0], e[2]): i for i, e in enumerate(ref)}
-    head: list[Any] = [ref_digest]
-    for e in layout:
-        i = where.get((e[0], e[2]))
-        if i is None:
-            head.append(e)  # no match: the entry in full
-        elif ref[i][3] == e[3]:
-            head += [i << 4 | e[1], *e[4:]]
-        else:
-            head += [i << 4 | 8 | e[1], e[3], *e[4:]]
-    return head
-
-
 def _refs(layout: Layout, ref: Layout, ref_digest: bytes) -> list[Any]:
-    """Version 5 refs: the index implied by the order (see the module docstring)."""
+    """References into ``ref``: the index implied by the order (see the module docstring)."""
     where = {(e[0], e[2]): i for i, e in enumerate(ref)}
     head: list[Any] = [ref_digest]
     expected = 0
@@ -176,21 +157,20 @@ def _refs(layout: Layout, ref: Layout, ref_digest: bytes) -> list[Any]:
     return head
 
 
-def _head(layout: Layout, known: Mapping[bytes, Layout], refs: int = REFS) -> Any:
+def _head(layout: Layout, known: Mapping[bytes, Layout]) -> Any:
     d = digest(layout)
     if d in known:
         return d
     best: list[Any] = layout
-    build = _refs if refs == REFS else _refs_v4
     for ref_digest, ref in known.items():
-        head = build(layout, ref, ref_digest)
+        head = _refs(layout, ref, ref_digest)
         if len(packb(head)) < len(packb(best)):
             best = head
     return best
 
 
 def digest_only_size(wire: list[Any]) -> int:
-    """Bytes of ``wire`` as a body of schema version 5 carries it to a receiver that knows its
+    """Bytes of ``wire`` as a body of schema versions 5 and 6 carries it to a receiver that knows its
     layout: ``[digest, *counts]`` and the raw blob. What an emulated device is charged (a real
     device knows its model's architecture)."""
     layout = wire[0]
@@ -236,28 +216,8 @@ def _known(d: bytes, layouts: Mapping[bytes, Layout]) -> Layout:
     return found
 
 
-def _resolve_v4(ref: Layout, items: list[Any]) -> Layout:
-    """Version 4 ``[ref, ...]`` items against a known layout → full entries (checked by the caller)."""
-    if len(items) > 2 * MAX_TENSORS:
-        raise CodecError("malformed", "tensor set: too many references")
-    out: Layout = []
-    it = iter(items)
-    for item in it:
-        if isinstance(item, list):
-            out.append(item)
-            continue
-        if type(item) is not int or item < 0 or item >> 4 >= len(ref):
-            raise CodecError("malformed", f"tensor set: bad reference {item!r}")
-        base, code = ref[item >> 4], item & 7
-        entry = [base[0], code, base[2], next(it, None) if item & 8 else base[3]]
-        if code == SLICED:
-            entry.append(next(it, None))
-        out.append(entry)
-    return out
-
-
 def _resolve(ref: Layout, items: list[Any]) -> Layout:
-    """Version 5 ``[ref, ...]`` items against a known layout → full entries (checked by the caller,
+    """``[ref, ...]`` items against a known layout → full entries (checked by the caller,
     :func:`check_layout`: a code, shape or mask that makes no sense is refused there)."""
     if len(items) > 3 * MAX_TENSORS:
         raise CodecError("malformed", "tensor set: too many references")
@@ -310,13 +270,10 @@ class _Cursor:
         return _int(self.counts[self.ci - 1], "a count")
 
 
-def unpack(
-    wire: Any, layouts: Mapping[bytes, Layout], refs: int = REFS
-) -> tuple[dict[str, dict[str, Any]], Layout | None]:
+def unpack(wire: Any, layouts: Mapping[bytes, Layout]) -> tuple[dict[str, dict[str, Any]], Layout | None]:
     """The wire form → layout-v1 tensor dicts, and the layout when it came inline (else None).
 
-    A digest nobody told this receiver about raises ``UnknownLayout``; ``refs`` is the dialect of
-    references the sender wrote (:data:`REFS_V4` for a peer of schema version 4).
+    A digest nobody told this receiver about raises ``UnknownLayout``.
     """
     if not isinstance(wire, list) or len(wire) not in (2, 3):
         raise CodecError("malformed", "tensor set: expected [layout or digest, blob(, counts)]")
@@ -328,8 +285,7 @@ def unpack(
     if isinstance(head, bytes):
         layout = _known(head, layouts)
     elif isinstance(head, list) and head and isinstance(head[0], bytes):
-        resolve = _resolve if refs == REFS else _resolve_v4
-        layout = check_layout(resolve(_known(head[0], layouts), head[1:]))
+        layout = check_layout(_resolve(_known(head[0], layouts), head[1:]))
     else:
         layout = inline = check_layout(head)
     cur = _Cursor(memoryview(blob).cast("B"), counts)
