@@ -333,6 +333,16 @@ def observed(broker_url: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
             "Prometheus to scrape the broker's refreshed queue statistics",
             interval=1.0,
         )
+        # and for the recording rules to have evaluated over the run's scrapes: on a loaded machine
+        # (the whole suite on 2 cores) a run of a few seconds could end before Prometheus had two
+        # scrapes of a counter to take a rate of at an evaluation (seen once in a full run)
+        rate = f'fedfleet:wire_bytes:rate5m{{experiment="{exp}"}}'
+        wait_for(
+            lambda: bool(prom.query_range(rate, start, time.time())),
+            30,
+            "Prometheus to evaluate the recording rules over the run",
+            interval=1.0,
+        )
         end = time.time()
         with (cluster.run_dir / "devices.csv").open() as f:
             devices = list(csv.DictReader(f))
