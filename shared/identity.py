@@ -105,7 +105,16 @@ def strict(own_user: str | None) -> bool:
 
 _FROM_HOSTS = (Kind.HEARTBEAT, Kind.DEVICE_STATE, Kind.REJECT, Kind.READY, Kind.EVAL_RESULT, Kind.FETCH)
 _TO_AGGREGATORS = (Kind.ROUND_OPEN, Kind.FLUSH, Kind.DECISION, Kind.ROUND_SUMMARY, Kind.STOP)
-_TO_HOSTS = (Kind.LEASE, Kind.DEVICE_STATE, Kind.PAYLOAD, Kind.TASK, Kind.GO, Kind.EVALUATE, Kind.STOP)
+_TO_HOSTS = (
+    Kind.LEASE,
+    Kind.DEVICE_STATE,
+    Kind.PAYLOAD,
+    Kind.TASK,
+    Kind.GO,
+    Kind.GOS,
+    Kind.EVALUATE,
+    Kind.STOP,
+)
 
 #: receiving service → message kind → the one role allowed to send it there: the one table every
 #: receiver checks (``ServiceBase.dispatch``)

@@ -45,6 +45,7 @@ ROUTES: dict[Kind, tuple[str, ...]] = {
     Kind.GO: (HOST_KEY,),
     Kind.EVALUATE: (HOST_KEY,),
     Kind.EVAL_RESULT: (KEY_SERVER,),
+    Kind.GOS: (HOST_KEY,),
 }
 
 

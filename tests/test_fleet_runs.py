@@ -177,6 +177,65 @@ def test_availability_dropouts_and_over_selection(tmp_path: Path) -> None:
     assert [tuple(r[k] for k in key) for r in rows] == [tuple(r[k] for k in key) for r in read_rounds(run_b)]
 
 
+def test_each_host_gets_its_rounds_goes_in_one_message_or_one_each_if_it_is_of_the_previous_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A first-finishers round sends each host one ``gos`` with all its devices' decisions; a host
+    of the previous schema version (it has no ``gos``) one ``go`` per device. Either way the same
+    devices upload and the run ends with the same model."""
+    import numpy as np
+
+    from shared.schemas import PREVIOUS_VERSION, Kind, decode, message_parts
+    from shared.schemas.peers import PeerVersions
+    from shared.transport import key_host
+    from shared.transport.inproc import InprocTransport
+
+    sent: list[tuple[str, Kind, int]] = []  # (routing key, kind, decisions carried)
+    publish = InprocTransport.publish
+
+    def tapped(self: InprocTransport, key: str, body: bytes, *args: Any, **kwargs: Any) -> None:
+        kind = message_parts(body).kind
+        if kind in (Kind.GO, Kind.GOS):
+            msg = decode(body, max_bytes=len(body))[1]
+            sent.append((key, kind, len(msg.goes) if kind is Kind.GOS else 1))
+        publish(self, key, body, *args, **kwargs)
+
+    monkeypatch.setattr(InprocTransport, "publish", tapped)
+    overrides = {
+        "num_devices": 20,
+        "devices_per_round": 4,
+        "rounds": 3,
+        "emulation": {"over_selection": 2.0},
+        "processes": {"clients": 2, "aggregators": 1},
+    }
+    new_run, _ = _run(tmp_path, "gos", "gos", **overrides)
+    by_kind = {k: [x for x in sent if x[1] is k] for k in (Kind.GO, Kind.GOS)}
+    assert not by_kind[Kind.GO] and by_kind[Kind.GOS]
+    invited = sum(int(r["selected"]) - int(r["dropped"]) - int(r["rejected"]) for r in read_rounds(new_run))
+    assert sum(n for _, _, n in by_kind[Kind.GOS]) == invited  # every ready device got its decision
+    assert len(by_kind[Kind.GOS]) <= 2 * 3  # at most one per host and round
+    assert len({key for key, _, _ in by_kind[Kind.GOS]}) == 2
+
+    sent.clear()
+    version_for = PeerVersions.version_for
+
+    def hosts_of_the_previous_version(self: PeerVersions, key: str) -> int:
+        """What the server writes to a host's key, as if every host were of the previous build."""
+        v = version_for(self, key)
+        return min(v, PREVIOUS_VERSION) if key.startswith(key_host("")) else v
+
+    monkeypatch.setattr(PeerVersions, "version_for", hosts_of_the_previous_version)
+    old_run, _ = _run(tmp_path, "go", "gos", **overrides)
+    assert [x[2] for x in sent] == [1] * len(sent) and {x[1] for x in sent} == {Kind.GO}
+    assert len(sent) == invited
+    key = ("selected", "participants", "dropped", "virtual_seconds", "accuracy", "loss")
+    assert [tuple(r[k] for k in key) for r in read_rounds(new_run)] == [
+        tuple(r[k] for k in key) for r in read_rounds(old_run)
+    ]
+    with np.load(new_run / "global_model.npz") as a, np.load(old_run / "global_model.npz") as b:
+        assert all(np.array_equal(a[k], b[k]) for k in a.files)
+
+
 @pytest.mark.parametrize(
     ("row", "fragment"),
     [

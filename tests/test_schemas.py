@@ -18,6 +18,7 @@ from shared.schemas import (
     ACCEPTED_VERSIONS,
     BODY_MODELS,
     KIND_CODES,
+    KIND_SINCE,
     MAC_KEY_CONTEXT,
     PREVIOUS_VERSION,
     SCHEMA_VERSION,
@@ -96,6 +97,12 @@ def _sample(kind: Kind) -> object:
             Kind.JOIN_REPLY: {"host_id": "h1", "user": "fedfleet-host-h1", "password": "x"},
             Kind.READY: {"device_id": 1, "finish_s": 2.5, "update_bytes": 100},
             Kind.GO: {"device_id": 1, "upload": False, "reason": "deadline"},
+            Kind.GOS: {
+                "goes": [
+                    {"device_id": 1, "upload": True},
+                    {"device_id": 4, "upload": False, "reason": "surplus"},
+                ]
+            },
             Kind.EVALUATE: {"device_id": 1},
             Kind.EVAL_RESULT: {"device_id": 1, "metrics": {"eval_accuracy": 0.5}},
         }[kind]
@@ -117,6 +124,17 @@ def test_every_message_round_trips_in_the_previous_version(kind: Kind) -> None:
     message of its own as a service does on the way out) reads back as the same message."""
     body = _sample(kind)
     assert isinstance(body, BODY_MODELS[kind])
+    if KIND_SINCE.get(kind, 0) > PREVIOUS_VERSION:  # a kind the previous version does not have
+        mine = encode(kind, body, exp="e1", round=4, sender="s", inc="abcd")
+        with pytest.raises(ValueError, match="has no"):
+            encode(kind, body, exp="e1", round=4, sender="s", inc="abcd", version=PREVIOUS_VERSION)
+        with pytest.raises(ValueError, match="has no"):
+            transcode(mine, PREVIOUS_VERSION, exp="e1")
+        raw = codec.unpackb(mine, max_bytes=LIMIT)
+        with pytest.raises(DecodeError) as err:  # nor is it read in an envelope of that version
+            decode(codec.packb([PREVIOUS_VERSION, *raw[1:]]), max_bytes=LIMIT, exp="e1")
+        assert err.value.reason == "schema"
+        return
     for inc in ("abcd", "0a0b0c0d"):  # a 4-byte incarnation is an int, any other a bin
         data = encode(kind, body, exp="e1", round=4, sender="s", inc=inc, version=PREVIOUS_VERSION)
         mine = encode(kind, body, exp="e1", round=4, sender="s", inc=inc)

@@ -63,6 +63,7 @@ from shared.schemas import (
     EvalResult,
     Fetch,
     Go,
+    Gos,
     Heartbeat,
     Kind,
     Lease,
@@ -234,6 +235,7 @@ class Client(ServiceBase):
             Kind.PAYLOAD: self.on_payload,
             Kind.TASK: self.on_task,
             Kind.GO: self.on_go,
+            Kind.GOS: self.on_gos,
             Kind.EVALUATE: self.on_evaluate,
             Kind.STOP: self.on_stop,
         }
@@ -616,7 +618,7 @@ class Client(ServiceBase):
         packed = len(pack_body(Kind.UPDATE, bare)) + cached[2]
         return device_size(Kind.UPDATE, packed, exp=self.experiment, round=env.round, sender="", inc=env.inc)
 
-    def _train_deferred(self, job: _Deferred, d: Delivery) -> None:
+    def _train_deferred(self, job: _Deferred, d: Delivery | None) -> None:
         """The ``go`` kept a deferred device: train it now and upload, as ``ready`` announced."""
         got = job.got
         dev, tier = got.device.device_id, got.device.tier
@@ -757,8 +759,9 @@ class Client(ServiceBase):
             self.spool.drop(earlier.slot)
         self.deferred.pop(slot, None)
 
-    def _upload(self, data: bytes, dense: int, device: Device, up_s: float, d: Delivery) -> None:
-        """Publish an update, the answer to ``d`` (a task, or the go of a held update).
+    def _upload(self, data: bytes, dense: int, device: Device, up_s: float, d: Delivery | None) -> None:
+        """Publish an update, the answer to ``d`` (a task, or the go of a held update; None: the
+        caller acks what it answers once this is published, as ``on_gos`` does).
 
         Why two ways: in real time the upload is paced as the device's link would take it, and
         published when that time is over, one by one. In virtual time nothing waits, so the
@@ -814,6 +817,21 @@ class Client(ServiceBase):
             del self.deferred[key]
 
     def on_go(self, env: Envelope, msg: Go, d: Delivery) -> None:
+        self._go(env, msg, d)
+        self.ack_unless_queued(d)
+
+    def on_gos(self, env: Envelope, msg: Gos, d: Delivery) -> None:
+        """Every ``go`` of the message, in its order, as lone ones would be; the message is acked
+        once all the uploads it asked for are published (a crash before that redelivers it, and a
+        restarted host holds nothing it could upload: its devices count as dropped, as for ``go``)."""
+        for go in msg.goes:
+            self._go(env, go, None)
+        self.flush()
+        d.ack()
+
+    def _go(self, env: Envelope, msg: Go, d: Delivery | None) -> None:
+        """Upload (train first, if deferred) or discard one device's update. ``d``: the delivery the
+        upload answers and that is acked after it (None: the caller acks)."""
         slot = (env.inc, env.round, msg.device_id)
         held = self.held.pop(slot, None)
         deferred = self.deferred.pop(slot, None)
@@ -825,7 +843,6 @@ class Client(ServiceBase):
                 self._upload(self.spool.take(held.slot), held.dense_bytes, held.device, held.upload_s, d)
             else:
                 self.spool.drop(held.slot)
-        self.ack_unless_queued(d)
         # forget anything older than this round (a round can be abandoned by a server restart).
         # Scanned when the round or the server start changes, not per ``go``: a host holds hundreds
         # of updates at 10,000 devices, and a scan per ``go`` made the round's goes quadratic.

@@ -71,6 +71,12 @@ class Kind(StrEnum):
     EVALUATE = "evaluate"
     EVAL_RESULT = "eval_result"
     RECEIPTS = "receipts"
+    GOS = "gos"
+
+
+#: kinds that appeared after some accepted version: never written to a peer of an older one (it
+#: would not know them), and refused in an envelope of an older one
+KIND_SINCE: dict[Kind, int] = {Kind.GOS: 6}
 
 
 class _Body(BaseModel):
@@ -336,6 +342,22 @@ class Go(_Body):
     reason: str = ""
 
 
+#: the most ``go`` decisions one ``Gos`` message carries (a round's devices of one host, or a chunk)
+MAX_GOS = 4096
+
+
+class Gos(_Body):
+    """Server → one host: the ``go`` of each of its devices in a round, in one message (schema
+    version 6; a host of version 5 gets one ``go`` per device).
+
+    Why: a first-finishers round at 10,000 devices sent ~1,300 ``go`` messages, one per invited
+    device, though all of a host's go out at the same moment to the same queue: a quarter of a
+    round's messages, each costing the broker, the server and the host their per-message work
+    (benchmarks/results-scale.md). Every entry is handled as a lone ``go`` would be."""
+
+    goes: list[Go] = Field(min_length=1, max_length=MAX_GOS)
+
+
 class EvalResult(_Body):
     """Device → server: its personalised model's metrics on its own test split (no training)."""
 
@@ -410,6 +432,7 @@ BODY_MODELS: dict[Kind, type[_Body]] = {
     Kind.EVALUATE: Task,
     Kind.EVAL_RESULT: EvalResult,
     Kind.RECEIPTS: Receipts,
+    Kind.GOS: Gos,
 }
 
 
@@ -712,6 +735,8 @@ def encode(
     if not isinstance(body, BODY_MODELS[kind]):
         raise TypeError(f"{kind} needs a {BODY_MODELS[kind].__name__}, got {type(body).__name__}")
     _check_version(version)
+    if KIND_SINCE.get(kind, 0) > version:
+        raise ValueError(f"schema version {version} has no {kind.value!r} (since {KIND_SINCE[kind]})")
     if packed is None:
         packed = pack_body(kind, body, known=known, version=version)
     tel_names = TELEMETRY.get(kind, ())
@@ -850,8 +875,8 @@ def _envelope(raw: Any) -> Envelope:
             raise DecodeError("schema", "envelope: expected an array of 7 to 9 fields")
         v, code, tag, inc, rnd, sender, body, *rest = raw
         kind = _KINDS_BY_CODE.get(code) if type(code) is int else None
-        if kind is None:
-            raise DecodeError("schema", f"envelope: unknown message kind {code!r}")
+        if kind is None or KIND_SINCE.get(kind, 0) > v:
+            raise DecodeError("schema", f"envelope: unknown message kind {code!r} in version {v!r}")
         if type(inc) is int and 0 <= inc < 1 << 8 * INC_BYTES:
             inc = inc.to_bytes(INC_BYTES, "big")
         if not isinstance(inc, bytes) or len(inc) > 32:
