@@ -211,9 +211,28 @@ def cmd_aggregator(args: argparse.Namespace) -> int:
     return 0
 
 
+#: a SIGTERM/SIGINT reached a client host before its own handlers were installed
+_TERMINATED_EARLY = threading.Event()
+
+
 def _leave_before_joining(signum: int, frame: Any) -> None:
-    """SIGTERM before the host has joined (a pod scaled away while it starts): nothing to hand over."""
+    """SIGTERM before the host has joined (a pod scaled away while it starts): nothing to hand over.
+
+    The request is also recorded (``_TERMINATED_EARLY``): the ``SystemExit`` raised here is lost
+    when the signal lands inside a callback Python runs for itself — an import's module-lock
+    callback prints "Exception ignored" and carries on (seen in CI: the pod then joined, served and
+    idled, and never exited). The host then honours the record once it can (``_honour_early_term``).
+    """
+    _TERMINATED_EARLY.set()
     raise SystemExit(0)
+
+
+def _honour_early_term(client: Any) -> None:
+    """A SIGTERM that came before the client's own handlers, and was lost: leave now, as that
+    SIGTERM would have made it (the client has joined: it hands its devices back)."""
+    if _TERMINATED_EARLY.is_set():
+        client.terminate()
+        _TERMINATED.set()
 
 
 def cmd_client(args: argparse.Namespace) -> int:
@@ -236,6 +255,8 @@ def cmd_client(args: argparse.Namespace) -> int:
     capacity, memory = host_budget(
         memory_limit(), per_device_bytes(exp), exp.full_footprint_bytes, args.max_devices
     )
+    if _TERMINATED_EARLY.is_set():  # asked to stop while starting; not joined yet: nothing to hand back
+        return 0
     url, client_id = _host_login(settings.rabbitmq_url, exp_id, args.id)
     transport = _transport(url, exp_id)
     state_dir = Path(args.state_dir or Path("runs") / exp_id / "hosts" / client_id)
@@ -251,6 +272,7 @@ def cmd_client(args: argparse.Namespace) -> int:
         on_stop=settings.on_stop,
     )
     _install_signal_handlers(client)
+    _honour_early_term(client)
     client.run()
     transport.close()
     _linger(settings)
