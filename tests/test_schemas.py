@@ -30,6 +30,7 @@ from shared.schemas import (
     Partial,
     Reject,
     Update,
+    _mac,
     decode,
     device_bytes,
     encode,
@@ -218,15 +219,19 @@ def test_bad_messages_have_reasons(data: bytes, reason: str) -> None:
     assert err.value.reason == reason
 
 
+@pytest.mark.parametrize("version", ACCEPTED_VERSIONS)
 @given(st.integers(0, 10**6), st.integers(0, 10**6), st.integers(1, 50), st.binary(max_size=64))
-def test_a_devices_mac_binds_device_round_and_every_byte(a: int, b: int, rnd: int, junk: bytes) -> None:
+def test_a_devices_mac_binds_device_round_and_every_byte(
+    version: int, a: int, b: int, rnd: int, junk: bytes
+) -> None:
     """A message MAC'd with device a's task key verifies under that key only: not under another
-    device's, another round's or another round key's, and not once a single byte of it changed."""
+    device's, another round's or another round key's, and not once a single byte of it changed —
+    in each version this build reads (each its own algorithm)."""
     round_key, other_round_key = "ab" * 16, "cd" * 16
     key = task_key(round_key, rnd, a)
     assert len(key) == 32 and task_key("", rnd, a) == ""
     upd = Update(device_id=a, num_samples=3, metrics={"train_loss": 0.5})
-    data = encode(Kind.UPDATE, upd, exp="e", round=rnd, sender="d", inc="0a", key=key)
+    data = encode(Kind.UPDATE, upd, exp="e", round=rnd, sender="d", inc="0a", key=key, version=version)
     env, _ = decode(data, max_bytes=LIMIT, exp="e")
     assert verify(env, key)
     assert env.telemetry, "an update's metrics travel as telemetry"
@@ -240,10 +245,36 @@ def test_a_devices_mac_binds_device_round_and_every_byte(a: int, b: int, rnd: in
     altered = env.model_copy(update={"body": env.body[:-1] + bytes([env.body[-1] ^ 1])})
     assert not verify(altered, key)
     assert not verify(env.model_copy(update={"round": rnd + 1}), key)  # replayed into another round
+    assert not verify(env.model_copy(update={"kind": Kind.READY}), key)  # passed off as another kind
+    assert not verify(env.model_copy(update={"inc": "0b"}), key)  # or as another server start's
     # a copy without the MAC, or with a MAC of other bytes, never verifies
     assert not verify(env.model_copy(update={"mac": b""}), key)
-    other = encode(Kind.UPDATE, upd, exp="e", round=rnd, sender="d", inc="0a", key=key) + junk
+    other = (
+        encode(Kind.UPDATE, upd, exp="e", round=rnd, sender="d", inc="0a", key=key, version=version) + junk
+    )
     assert decode(other[: len(data)], max_bytes=LIMIT, exp="e")[0].mac == env.mac
+
+
+@pytest.mark.parametrize(
+    ("version", "tag"), [(5, "e61a3154bdfc33633008df3a52c90e35"), (6, "077402ff6e6789e4df7c12ea0a093edb")]
+)
+def test_each_versions_mac_is_what_its_deployed_builds_make(version: int, tag: str) -> None:
+    """Known answers, written down once (2026-11-29) from this build: a change of a version's
+    algorithm, key derivation, context string, input or truncation would leave every other test
+    here passing and every deployed peer of that version unable to talk to this build."""
+    mac = _mac(
+        "00112233445566778899aabbccddeeff",
+        version,
+        Kind.UPDATE,
+        "exp-1",
+        7,
+        "0a0b0c0d",
+        b"body bytes",
+        b"tel",
+    )
+    assert mac.hex() == tag
+    with pytest.raises(ValueError, match="no MAC algorithm"):
+        _mac("00" * 16, 4, Kind.UPDATE, "e", 1, "", b"", b"")
 
 
 # -- the lean wire form, its tensor sets, and the previous version -------------------------------

@@ -212,8 +212,8 @@ def _own(device: int, dense: dict[str, Any]) -> Update:
 def _altered(data: bytes) -> bytes:
     """The same message with one byte of one weight changed, its MAC kept: well-formed, not genuine.
 
-    Envelope v5: ``[v, kind, exp tag, inc, round, sender, body, mac, ...]``; the body is its fields
-    followed by the tensor set's blob, raw."""
+    Envelope (versions 5 and 6): ``[v, kind, exp tag, inc, round, sender, body, mac, ...]``; the
+    body is its fields followed by the tensor set's blob, raw."""
     env = codec.unpackb(data, max_bytes=len(data) + 1)
     fields, blob = codec.unpackb_head(env[6], max_bytes=len(data) + 1)
     raw = bytearray(blob)

@@ -531,6 +531,10 @@ def exp_tag(exp: str) -> int:
 
 #: the bytes of a message's MAC
 MAC_BYTES = 16
+#: each version's MAC algorithm, by its number. Why a table: at the next bump today's version
+#: becomes the previous one and keeps its algorithm; choosing by "is it the previous version" would
+#: then check every current host's MAC with the older algorithm. A version missing here has no MAC.
+MAC_ALGORITHMS: dict[int, str] = {5: "hmac-sha256", 6: "blake3-keyed"}
 #: BLAKE3's key-derivation context for a MAC key (its ``derive_key`` mode): a task key is 16 bytes,
 #: keyed BLAKE3 takes 32, and a context string keeps these keys apart from any other use of the same
 #: material
@@ -549,24 +553,21 @@ def _mac(key: str, v: int, kind: Kind, exp: str, round: int, inc: str, body: byt
     keyed BLAKE3 on a 2-core AMD EPYC with SHA extensions (``benchmarks/bench_mac.py``). Keyed
     BLAKE3 is a PRF by design, so it is a MAC as HMAC is.
     """
+    algorithm = MAC_ALGORITHMS.get(v)
+    if algorithm is None:  # by the version's number, never "not the previous one": see MAC_ALGORITHMS
+        raise ValueError(f"no MAC algorithm for schema version {v!r}")
     head = f"{v}|{kind.value}|{exp}|{round}|{inc}|{len(body)}|".encode()
     raw = bytes.fromhex(key)
-    if v == PREVIOUS_VERSION:
+    if algorithm == "hmac-sha256":
         h = hmac.new(raw, head, hashlib.sha256)
         h.update(body)  # fed in parts, not ``head + body + tel``: no copy of a 438 KB update's body
         h.update(tel)
         return h.digest()[:MAC_BYTES]
-    b = blake3.blake3(head, key=_mac_key(raw))
+    # the key derived per call (~0.5 µs; a 438 KB update's MAC takes ~55 µs): no cache of task keys
+    b = blake3.blake3(head, key=blake3.blake3(raw, derive_key_context=MAC_KEY_CONTEXT).digest())
     b.update(body)
     b.update(tel)
     return b.digest(MAC_BYTES)
-
-
-@functools.lru_cache(maxsize=4096)
-def _mac_key(task_key: bytes) -> bytes:
-    """The 32-byte BLAKE3 key of a task key (cached: a device's key signs its ``ready`` and its update,
-    and an aggregator checks what it signed; 4,096 keys are a round's worth at 10,000 devices)."""
-    return blake3.blake3(task_key, derive_key_context=MAC_KEY_CONTEXT).digest()
 
 
 def verify(env: Envelope, key: str) -> bool:
@@ -575,7 +576,7 @@ def verify(env: Envelope, key: str) -> bool:
     The MAC covers the full experiment id (not only its tag), the round, the incarnation, the body
     and the telemetry: a copy moved to another round or altered anywhere fails.
     """
-    if not key or len(env.mac) != MAC_BYTES:
+    if not key or len(env.mac) != MAC_BYTES or env.v not in MAC_ALGORITHMS:
         return False
     want = _mac(key, env.v, env.kind, env.exp, env.round, env.inc, env.body, env.telemetry)
     return hmac.compare_digest(want, env.mac)
