@@ -216,6 +216,18 @@ def test_each_host_gets_its_rounds_goes_in_one_message_or_one_each_if_it_is_of_t
     assert len(by_kind[Kind.GOS]) <= 2 * 3  # at most one per host and round
     assert len({key for key, _, _ in by_kind[Kind.GOS]}) == 2
 
+    # a host with more decisions than one ``gos`` may carry gets them in several
+    import services.server.service as server_module
+
+    sent.clear()
+    monkeypatch.setattr(server_module, "MAX_GOS", 1)
+    chunked, _ = _run(tmp_path, "gos-chunked", "gos", **overrides)
+    assert {x[1] for x in sent} == {Kind.GOS} and [x[2] for x in sent] == [1] * invited
+    monkeypatch.undo()
+    monkeypatch.setattr(InprocTransport, "publish", tapped)
+    with np.load(new_run / "global_model.npz") as a, np.load(chunked / "global_model.npz") as b:
+        assert all(np.array_equal(a[k], b[k]) for k in a.files)
+
     sent.clear()
     version_for = PeerVersions.version_for
 
