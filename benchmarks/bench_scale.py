@@ -442,22 +442,16 @@ def _provenance() -> str:
     this model ~2.4x faster than one without, so the same plumbing is a larger multiple of its floor),
     and results from different sessions sit in the same file.
     """
-    commit = subprocess.run(
-        ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
-    model = "unknown CPU"
+    from run_all import _cpu_model, _git_commit  # the report of ``make bench`` names its machine so
+
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
+        flags = Path("/proc/cpuinfo").read_text()
     except OSError:
-        pass
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+        flags = ""
     simd = "AVX-512" if " avx512f" in flags else "AVX2" if " avx2" in flags else "no AVX2"
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    machine = f"{model}, {simd}, {os.cpu_count()} cores"
-    return f"`make bench-scale`, {when}, main at {commit or 'unknown'} ({machine})"
+    machine = f"{_cpu_model()}, {simd}, {os.cpu_count()} cores"
+    return f"`make bench-scale`, {when}, main at {_git_commit()} ({machine})"
 
 
 def main() -> int:
