@@ -35,6 +35,7 @@ TRANSIENT_KINDS = frozenset({Kind.UPDATE})
 #: message kinds → the ``direction`` label of traffic metrics
 DIRECTION = {
     Kind.TASK: "down",
+    Kind.TASKS: "down",
     Kind.EVALUATE: "down",
     Kind.UPDATE: "up",
     Kind.PARTIAL: "partial",

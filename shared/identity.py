@@ -110,6 +110,7 @@ _TO_HOSTS = (
     Kind.DEVICE_STATE,
     Kind.PAYLOAD,
     Kind.TASK,
+    Kind.TASKS,
     Kind.GO,
     Kind.GOS,
     Kind.EVALUATE,

@@ -46,6 +46,7 @@ ROUTES: dict[Kind, tuple[str, ...]] = {
     Kind.EVALUATE: (HOST_KEY,),
     Kind.EVAL_RESULT: (KEY_SERVER,),
     Kind.GOS: (HOST_KEY,),
+    Kind.TASKS: (HOST_KEY,),
 }
 
 

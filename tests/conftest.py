@@ -214,3 +214,20 @@ def tap_inproc_publishes(monkeypatch: pytest.MonkeyPatch, tap: Any) -> None:
             publish(self, key, body, headers, transient=transient)
 
     monkeypatch.setattr(InprocTransport, "publish", tapped)
+
+
+def lone_tasks(body: bytes) -> list[tuple[Any, bytes]]:
+    """Each entry of a ``tasks`` message with the lone ``task`` message it stands for: the message's
+    own envelope with its kind and body replaced (what the entry's device is charged, and what its
+    dead letter holds). Rebuilt here from the raw message, apart from the client's own code."""
+    from shared import codec
+    from shared.schemas import KIND_CODES, Kind, Tasks, decode, pack_body
+
+    env, msg = decode(body, max_bytes=len(body) + 1)
+    assert isinstance(msg, Tasks)
+    raw = codec.unpackb(body, max_bytes=len(body) + 1)
+    out = []
+    for task in msg.tasks:
+        raw[1], raw[6] = KIND_CODES[Kind.TASK], pack_body(Kind.TASK, task, version=env.v)
+        out.append((task, codec.packb(raw)))
+    return out

@@ -31,7 +31,7 @@ from shared.experiment import Experiment
 from shared.schemas import Kind, Reject, Update, decode, device_bytes, encode
 from shared.transport import KEY_SERVER, KEY_UPDATE
 from shared.transport.amqp import AmqpTransport
-from tests.conftest import read_rounds, wait_for, write_config
+from tests.conftest import lone_tasks, read_rounds, wait_for, write_config
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
@@ -114,7 +114,7 @@ def test_amqp_run_equals_inproc_and_counts_every_published_byte(cluster: Any, tm
     wait_for(lambda: (c.run_dir / "summary.json").exists(), RUN_TIMEOUT, "the run to finish")
     time.sleep(1.0)  # the clients have received stop and published nothing more
     scraped = {name: _scrape(p) for name, p in ports.items()}
-    published = {"update": 0, "task": 0, "payload": 0}
+    published = {"update": 0, "task": 0, "tasks": 0, "payload": 0}
     device_down = 0  # what the emulated devices downloaded: each task plus its payload
     device_up = 0  # what they uploaded: each update without its telemetry
     layouts = LayoutCache()  # learned from the payloads, as the services do (updates name them)
@@ -131,6 +131,8 @@ def test_amqp_run_equals_inproc_and_counts_every_published_byte(cluster: Any, tm
             published[env.kind.value] += len(body)
         if env.kind is Kind.TASK:
             device_down += len(body) + msg.payload_bytes
+        if env.kind is Kind.TASKS:  # each entry is charged as the lone ``task`` it stands for
+            device_down += sum(len(lone) + task.payload_bytes for task, lone in lone_tasks(body))
         if env.kind is Kind.UPDATE:
             device_up += device_bytes(body)
     conn.close()
@@ -138,11 +140,15 @@ def test_amqp_run_equals_inproc_and_counts_every_published_byte(cluster: Any, tm
     spy.close()
     update_bytes = sum(_sum(scraped[n], "fedfleet_wire_bytes_total", kind="update") for n in ("c0", "c1"))
     task_bytes = _sum(scraped["server"], "fedfleet_wire_bytes_total", kind="task")
+    tasks_bytes = _sum(scraped["server"], "fedfleet_wire_bytes_total", kind="tasks")
     payload_bytes = _sum(scraped["server"], "fedfleet_wire_bytes_total", kind="payload")
-    assert published["update"] > 0 and published["task"] > 0 and published["payload"] > 0
+    # every host is of this build: its tasks come as one ``tasks`` per round
+    assert published["update"] > 0 and published["tasks"] > 0 and published["payload"] > 0
+    assert published["task"] == 0
     # Prometheus counts exactly what crossed the broker, by kind
     assert update_bytes == published["update"]
     assert task_bytes == published["task"] and payload_bytes == published["payload"]
+    assert tasks_bytes == published["tasks"]
     # summary.json holds what the emulated devices moved (one model each), which the broker carried
     # more cheaply (one model per host)
     summary = json.loads((c.run_dir / "summary.json").read_text())
@@ -150,7 +156,7 @@ def test_amqp_run_equals_inproc_and_counts_every_published_byte(cluster: Any, tm
     assert summary["bytes_up"] == device_up
     assert summary["telemetry_bytes_up"] == published["update"] - device_up > 0
     assert summary["bytes_down"] == device_down
-    assert published["task"] + published["payload"] < device_down
+    assert published["tasks"] + published["payload"] < device_down
     assert _sum(scraped["server"], "fedfleet_device_bytes_total", direction="down") == device_down
     _assert_same_model(_model(c.run_dir), _inproc_reference(config, tmp_path))
 

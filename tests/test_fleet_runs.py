@@ -177,19 +177,17 @@ def test_availability_dropouts_and_over_selection(tmp_path: Path) -> None:
     assert [tuple(r[k] for k in key) for r in rows] == [tuple(r[k] for k in key) for r in read_rounds(run_b)]
 
 
-def test_each_host_gets_its_rounds_goes_in_one_message_or_one_each_if_it_is_of_the_previous_version(
+def test_each_host_gets_its_rounds_goes_in_one_message(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A first-finishers round sends each host one ``gos`` with all its devices' decisions; a host
-    of the previous schema version (it has no ``gos``) one ``go`` per device. Either way the same
-    devices upload and the run ends with the same model."""
+    """A first-finishers round sends each host one ``gos`` with all its devices' decisions (both
+    versions this build writes have ``gos``), split only past ``MAX_GOS``, with the same model."""
     import numpy as np
 
-    from shared.schemas import PREVIOUS_VERSION, Kind, decode, message_parts
-    from shared.schemas.peers import PeerVersions
-    from shared.transport import key_host
+    from shared.schemas import KIND_SINCE, PREVIOUS_VERSION, Kind, decode, message_parts
     from shared.transport.inproc import InprocTransport
 
+    assert KIND_SINCE[Kind.GOS] <= PREVIOUS_VERSION  # the server sends ``gos`` to every host
     sent: list[tuple[str, Kind, int]] = []  # (routing key, kind, decisions carried)
     publish = InprocTransport.publish
 
@@ -223,10 +221,56 @@ def test_each_host_gets_its_rounds_goes_in_one_message_or_one_each_if_it_is_of_t
     monkeypatch.setattr(server_module, "MAX_GOS", 1)
     chunked, _ = _run(tmp_path, "gos-chunked", "gos", **overrides)
     assert {x[1] for x in sent} == {Kind.GOS} and [x[2] for x in sent] == [1] * invited
-    monkeypatch.undo()
-    monkeypatch.setattr(InprocTransport, "publish", tapped)
     with np.load(new_run / "global_model.npz") as a, np.load(chunked / "global_model.npz") as b:
         assert all(np.array_equal(a[k], b[k]) for k in a.files)
+
+
+@pytest.mark.parametrize("over_selection", [1.0, 2.0])
+def test_each_host_gets_its_rounds_tasks_in_one_message_or_one_each_if_it_is_of_the_previous_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, over_selection: float
+) -> None:
+    """A round sends each host one ``tasks`` with all its devices' tasks; a host of the previous
+    schema version (6: it has no ``tasks``) one ``task`` per device. Either way the same devices
+    train, each is charged the same download bytes (a lone ``task``'s), and the run ends with the
+    same model; with over-selection too (``ready`` answers a part of a ``tasks``, then ``gos``)."""
+    import numpy as np
+
+    import services.server.fanout as fanout_module
+    from shared.schemas import KIND_SINCE, PREVIOUS_VERSION, Kind, decode, message_parts
+    from shared.schemas.peers import PeerVersions
+    from shared.transport import key_host
+    from shared.transport.inproc import InprocTransport
+
+    assert KIND_SINCE[Kind.TASKS] > PREVIOUS_VERSION
+    sent: list[tuple[str, Kind, int]] = []  # (routing key, kind, tasks carried)
+    publish = InprocTransport.publish
+
+    def tapped(self: InprocTransport, key: str, body: bytes, *args: Any, **kwargs: Any) -> None:
+        kind = message_parts(body).kind
+        if kind in (Kind.TASK, Kind.TASKS):
+            msg = decode(body, max_bytes=len(body))[1]
+            sent.append((key, kind, len(msg.tasks) if kind is Kind.TASKS else 1))
+        publish(self, key, body, *args, **kwargs)
+
+    monkeypatch.setattr(InprocTransport, "publish", tapped)
+    overrides = {
+        "num_devices": 20,
+        "devices_per_round": 4,
+        "rounds": 3,
+        "emulation": {"over_selection": over_selection},
+        "processes": {"clients": 2, "aggregators": 1},
+    }
+    new_run, _ = _run(tmp_path, "tasks", "tasks", **overrides)
+    selected = sum(int(r["selected"]) for r in read_rounds(new_run))
+    assert {x[1] for x in sent} == {Kind.TASKS}
+    assert sum(n for _, _, n in sent) == selected  # every selected device got its task
+    assert len(sent) <= 2 * 3 and len({key for key, _, _ in sent}) == 2  # one per host and round
+    assert not json.loads((new_run / "summary.json").read_text()).get("dead_lettered")
+
+    sent.clear()  # a host with more tasks than one ``tasks`` may carry gets them in several
+    monkeypatch.setattr(fanout_module, "MAX_TASKS", 1)
+    chunked, _ = _run(tmp_path, "tasks-chunked", "tasks", **overrides)
+    assert {x[1] for x in sent} == {Kind.TASKS} and [x[2] for x in sent] == [1] * selected
 
     sent.clear()
     version_for = PeerVersions.version_for
@@ -237,15 +281,25 @@ def test_each_host_gets_its_rounds_goes_in_one_message_or_one_each_if_it_is_of_t
         return min(v, PREVIOUS_VERSION) if key.startswith(key_host("")) else v
 
     monkeypatch.setattr(PeerVersions, "version_for", hosts_of_the_previous_version)
-    old_run, _ = _run(tmp_path, "go", "gos", **overrides)
-    assert [x[2] for x in sent] == [1] * len(sent) and {x[1] for x in sent} == {Kind.GO}
-    assert len(sent) == invited
-    key = ("selected", "participants", "dropped", "virtual_seconds", "accuracy", "loss")
-    assert [tuple(r[k] for k in key) for r in read_rounds(new_run)] == [
-        tuple(r[k] for k in key) for r in read_rounds(old_run)
-    ]
-    with np.load(new_run / "global_model.npz") as a, np.load(old_run / "global_model.npz") as b:
-        assert all(np.array_equal(a[k], b[k]) for k in a.files)
+    old_run, _ = _run(tmp_path, "task", "tasks", **overrides)
+    assert {x[1] for x in sent} == {Kind.TASK} and len(sent) == selected
+    key = (
+        "selected",
+        "participants",
+        "dropped",
+        "virtual_seconds",
+        "accuracy",
+        "loss",
+        "bytes_down",
+        "bytes_up",
+    )
+    for other in (chunked, old_run):
+        assert [tuple(r[k] for k in key) for r in read_rounds(new_run)] == [
+            tuple(r[k] for k in key) for r in read_rounds(other)
+        ]
+        assert _devices(new_run) == _devices(other)  # per device: the same bytes down and up
+        with np.load(new_run / "global_model.npz") as a, np.load(other / "global_model.npz") as b:
+            assert all(np.array_equal(a[k], b[k]) for k in a.files)
 
 
 @pytest.mark.parametrize(

@@ -148,9 +148,9 @@ def _lose_tasks(cluster: InprocCluster, number: int, attempts: set[int]) -> list
     def lossy(kind: Kind, items: list[tuple[str, bytes, int]]) -> set[str]:
         rs = server.rs
         ours = rs is not None and rs.number == number and rs.attempt in attempts
-        if ours and kind in (Kind.TASK, Kind.PAYLOAD):
+        if ours and kind in (Kind.TASK, Kind.TASKS, Kind.PAYLOAD):
             assert rs is not None
-            if kind is Kind.TASK:
+            if kind is not Kind.PAYLOAD:
                 hit.append(rs.attempt)
             return set()
         return publish(kind, items)

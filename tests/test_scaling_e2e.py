@@ -33,7 +33,7 @@ import pytest
 from services.orchestrator import ServiceProcess as Proc
 from services.orchestrator import run_inproc
 from shared.config import load_config
-from shared.schemas import Kind, Task, decode
+from shared.schemas import Kind, Task, Tasks, decode
 from shared.transport.amqp import AmqpTransport
 from tests.conftest import log_events, read_rounds, wait_for, write_config
 
@@ -108,9 +108,11 @@ def _drain_spy(url: str, queue: str) -> dict[int, set[int]]:
             method, _props, body = ch.basic_get(queue, auto_ack=True)
             if method is None:
                 break
-            env, task = decode(body, max_bytes=len(body) + 1)
-            if isinstance(task, Task) and env.kind is Kind.TASK:
-                out.setdefault(env.round, set()).add(task.device_id)
+            env, msg = decode(body, max_bytes=len(body) + 1)
+            if isinstance(msg, Task) and env.kind is Kind.TASK:
+                out.setdefault(env.round, set()).add(msg.device_id)
+            if isinstance(msg, Tasks):
+                out.setdefault(env.round, set()).update(t.device_id for t in msg.tasks)
         ch.queue_delete(queue)
     finally:
         conn.close()

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import hmac
 
 import blake3
 import numpy as np
@@ -98,6 +96,12 @@ def _sample(kind: Kind) -> object:
             Kind.JOIN_REPLY: {"host_id": "h1", "user": "fedfleet-host-h1", "password": "x"},
             Kind.READY: {"device_id": 1, "finish_s": 2.5, "update_bytes": 100},
             Kind.GO: {"device_id": 1, "upload": False, "reason": "deadline"},
+            Kind.TASKS: {
+                "tasks": [
+                    {"device_id": 1, "payload": b"\x01" * 8, "payload_bytes": 70, "key": b"k" * 16},
+                    {"device_id": 4, "config": {"epochs": 2}, "key": b"j" * 16},
+                ]
+            },
             Kind.GOS: {
                 "goes": [
                     {"device_id": 1, "upload": True},
@@ -256,12 +260,14 @@ def test_a_devices_mac_binds_device_round_and_every_byte(
 
 
 @pytest.mark.parametrize(
-    ("version", "tag"), [(5, "e61a3154bdfc33633008df3a52c90e35"), (6, "077402ff6e6789e4df7c12ea0a093edb")]
+    ("version", "tag"), [(6, "077402ff6e6789e4df7c12ea0a093edb"), (7, "d809e461253aa54897d0187e2fe1a9ae")]
 )
 def test_each_versions_mac_is_what_its_deployed_builds_make(version: int, tag: str) -> None:
-    """Known answers, written down once (2026-11-29) from this build: a change of a version's
+    """Known answers, written down once from the build that introduced the version (6: 2026-11-29,
+    the same value before and after version 7 arrived; 7: 2026-11-29): a change of a version's
     algorithm, key derivation, context string, input or truncation would leave every other test
-    here passing and every deployed peer of that version unable to talk to this build."""
+    here passing and every deployed peer of that version unable to talk to this build. Version 5
+    (HMAC-SHA-256) is retired: no MAC algorithm."""
     mac = _mac(
         "00112233445566778899aabbccddeeff",
         version,
@@ -273,25 +279,24 @@ def test_each_versions_mac_is_what_its_deployed_builds_make(version: int, tag: s
         b"tel",
     )
     assert mac.hex() == tag
-    with pytest.raises(ValueError, match="no MAC algorithm"):
-        _mac("00" * 16, 4, Kind.UPDATE, "e", 1, "", b"", b"")
+    for retired in (4, 5):
+        with pytest.raises(ValueError, match="no MAC algorithm"):
+            _mac("00" * 16, retired, Kind.UPDATE, "e", 1, "", b"", b"")
 
 
 # -- the lean wire form, its tensor sets, and the previous version -------------------------------
 def _mac_by_hand(v: int, key: str, env: Envelope) -> bytes:
     """A message's MAC computed here from its parts, apart from ``shared.schemas._mac``."""
     head = f"{v}|{env.kind.value}|{env.exp}|{env.round}|{env.inc}|{len(env.body)}|".encode()
-    if v == 5:
-        return hmac.new(bytes.fromhex(key), head + env.body + env.telemetry, hashlib.sha256).digest()[:16]
     k = blake3.blake3(bytes.fromhex(key), derive_key_context=MAC_KEY_CONTEXT).digest()
     return blake3.blake3(head + env.body + env.telemetry, key=k).digest(16)
 
 
 def test_the_previous_version_is_read_and_each_version_has_its_own_mac() -> None:
-    """Rolling upgrade: a build reads its own version and the one before (ACCEPTED_VERSIONS). A host
-    of the previous build MACs its update with HMAC-SHA-256, this build with keyed BLAKE3 (schema
-    version 6); each verifies under its own version only, so a MAC cannot be carried across."""
-    assert ACCEPTED_VERSIONS == (5, SCHEMA_VERSION) and SCHEMA_VERSION == 6
+    """Rolling upgrade: a build reads its own version and the one before (ACCEPTED_VERSIONS). Both
+    MAC with keyed BLAKE3, but the version is part of what the MAC covers: each verifies under its
+    own version only, so a MAC cannot be carried across."""
+    assert ACCEPTED_VERSIONS == (6, SCHEMA_VERSION) and SCHEMA_VERSION == 7
     key = task_key("ab" * 16, 2, 5)
     w = codec.encode(codec.Dense(np.arange(6, dtype=np.float32).reshape(2, 3)))
     upd = Update(device_id=5, num_samples=10, tensors={"w": w}, metrics={"train_loss": 0.5})
@@ -303,15 +308,16 @@ def test_the_previous_version_is_read_and_each_version_has_its_own_mac() -> None
         assert codec.decode(body.tensors["w"]) == codec.decode(w)
         assert verify(env, key) and env.mac == _mac_by_hand(v, key, env)
         envs[v] = env
-    assert envs[5].body == envs[6].body and envs[5].mac != envs[6].mac
-    for v, other in ((5, 6), (6, 5)):  # a MAC relabelled with the other version fails
+    assert envs[6].body == envs[7].body and envs[6].mac != envs[7].mac
+    for v, other in ((6, 7), (7, 6)):  # a MAC relabelled with the other version fails
         assert not verify(envs[v].model_copy(update={"v": other}), key)
 
 
-def test_version_4_is_no_longer_read() -> None:
-    """A build reads two versions: version 4 (the tensor set a bin inside the body's bin) is
-    dead-lettered as ``schema``, and says it is older, not newer."""
-    data = codec.packb([4, KIND_CODES[Kind.UPDATE], exp_tag("e"), b"\x0a", 2, "", codec.packb([5, 10])])
+@pytest.mark.parametrize("old", [4, 5])
+def test_retired_versions_are_no_longer_read(old: int) -> None:
+    """A build reads two versions: version 4 (the tensor set a bin inside the body's bin) and
+    version 5 (HMAC-SHA-256 MACs) are dead-lettered as ``schema``, and say they are older, not newer."""
+    data = codec.packb([old, KIND_CODES[Kind.UPDATE], exp_tag("e"), b"\x0a", 2, "", codec.packb([5, 10])])
     with pytest.raises(DecodeError) as err:
         decode(data, max_bytes=LIMIT, exp="e")
     assert err.value.reason == "schema" and "upgrade" not in str(err.value)

@@ -1,16 +1,16 @@
-"""Version skew: a client host of the previous build (schema version 5) in a run of this one (6).
+"""Version skew: a client host of the previous build (schema version 6) in a run of this one (7).
 
 The previous build is taken from this repository's own history (:data:`OLD_BUILD`, the last commit
-that wrote version 5) with ``git archive`` and run with this venv: it needs the same packages. What
+that wrote version 6) with ``git archive`` and run with this venv: it needs the same packages. What
 is checked (docs/wire.md, "Versions on the wire"):
 
-* every message a server sends a host, written in version 5 here, is read by the old build's own
-  ``decode``, and what the old build writes — with version 5's MAC, HMAC-SHA-256 — is read (and its
-  MACs verified) here;
+* every message a server sends a host, written in version 6 here, is read by the old build's own
+  ``decode``, and what the old build writes — with version 6's MAC — is read (and its MACs
+  verified) here;
 * over RabbitMQ, with real processes: this build's server and aggregator, a client host of this
   build and one of the old build. Every round completes, the old host's devices take part in each
   (their updates merged), the model equals the same experiment's run in one process of this build,
-  and nothing is dead-lettered for ``schema`` — except a version 7 message the test sends the
+  and nothing is dead-lettered for ``schema`` — except a version 8 message the test sends the
   server, which is dead-lettered with "upgrade this service".
 
 Outside a git checkout (a source tarball) the old build cannot be made: the tests skip, or fail
@@ -49,6 +49,7 @@ from shared.schemas import (
     EvalResult,
     Fetch,
     Go,
+    Gos,
     Heartbeat,
     JoinReply,
     Kind,
@@ -71,9 +72,9 @@ from tests.conftest import write_config
 from tests.test_security_e2e import ADMIN_API, _need_admin
 
 ROOT = Path(__file__).resolve().parents[1]
-#: the last commit whose build writes schema version 5 (the one before version 6: a device's MAC is
-#: keyed BLAKE3 instead of HMAC-SHA-256; docs/wire.md)
-OLD_BUILD = "63f34bd"
+#: the last commit whose build writes schema version 6 (the one before version 7: a host's tasks of
+#: a round in one ``tasks`` message; docs/wire.md)
+OLD_BUILD = "9d59ca9"
 LIMIT = 1 << 20
 EXP = "skew-unit"
 
@@ -187,7 +188,7 @@ def _tensor() -> dict[str, Any]:
 
 
 def test_what_a_server_sends_a_host_is_read_by_the_previous_build(old_build: Path, tmp_path: Path) -> None:
-    """Every kind a host receives, written in version 5 (directly, and rewritten from a version 6
+    """Every kind a host receives, written in version 6 (directly, and rewritten from a version 7
     message as a service does on its way out), decoded by the old build's ``decode``."""
     digest, key = bytes(range(1, 9)), bytes(range(16))
     inc = "0a0b0c0d"
@@ -199,6 +200,7 @@ def test_what_a_server_sends_a_host_is_read_by_the_previous_build(old_build: Pat
         (Kind.TASK, Task(device_id=5, payload=digest, payload_bytes=120, config={"lr": 0.1}, key=key)),
         (Kind.EVALUATE, Task(device_id=5, key=key)),
         (Kind.GO, Go(device_id=5, upload=False, reason="surplus")),
+        (Kind.GOS, Gos(goes=[Go(device_id=5, upload=True), Go(device_id=7, upload=False, reason="surplus")])),
         (Kind.STOP, Stop()),
     ]
     direct = [encode(k, b, exp=EXP, round=2, sender="", inc=inc, version=PREVIOUS_VERSION) for k, b in bodies]
@@ -253,7 +255,7 @@ def test_what_the_previous_build_sends_is_read_and_its_macs_hold(old_build: Path
 
 def test_what_cannot_be_rewritten_is_refused_not_dropped() -> None:
     """Versions this build does not write, and a MAC'd message (only its device can make a MAC),
-    are refused; every field of version 6 has its place in version 5."""
+    are refused; every field of version 7 has its place in version 6."""
     refused = Receipt(
         device_id=1, aggregator_id="a", update_bytes=1, dense_bytes=1, num_samples=1, refused="norm"
     )

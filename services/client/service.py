@@ -72,6 +72,7 @@ from shared.schemas import (
     Ready,
     Reject,
     Task,
+    Tasks,
     Timings,
     Update,
     device_bytes,
@@ -88,6 +89,7 @@ from shared.transport import (
     Transport,
     Unroutable,
     key_host,
+    split,
 )
 
 
@@ -234,6 +236,7 @@ class Client(ServiceBase):
             Kind.DEVICE_STATE: self.on_device_state,
             Kind.PAYLOAD: self.on_payload,
             Kind.TASK: self.on_task,
+            Kind.TASKS: self.on_tasks,
             Kind.GO: self.on_go,
             Kind.GOS: self.on_gos,
             Kind.EVALUATE: self.on_evaluate,
@@ -482,6 +485,19 @@ class Client(ServiceBase):
             self.reject(d, "unknown-device", f"device {msg.device_id} is not hosted by {self.client_id}")
             return
         self._dispatch_task(env, msg, d)
+
+    def on_tasks(self, env: Envelope, msg: Tasks, d: Delivery) -> None:
+        """Every task of the message, in its order, as a lone ``task`` would be: each has a delivery
+        of its own (``split``) whose body is that lone message, so its device is charged the same
+        bytes, and an entry for a device this host does not serve is dead-lettered alone. The
+        message is acked once every entry is settled."""
+        lone = env.model_copy(update={"kind": Kind.TASK})
+        bodies = [
+            encode(Kind.TASK, t, exp=self.experiment, round=env.round, sender="", inc=env.inc, version=env.v)
+            for t in msg.tasks
+        ]
+        for task, part in zip(msg.tasks, split(d, bodies), strict=True):
+            self.on_task(lone, task, part)
 
     def _dispatch_task(self, env: Envelope, msg: Task, d: Delivery) -> None:
         if env.kind is Kind.EVALUATE:

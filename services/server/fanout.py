@@ -6,7 +6,8 @@ client process decoded each copy. Here the tensors of a task spec become one
 :class:`~shared.schemas.Payload`, content-addressed by a digest, sent once to each host that serves
 a device using it (strategies return the same ``TaskSpec`` object for devices that share it:
 FedAvg's one model, HeteroFL's one slice per width), ahead of the tasks in the same queue; each task
-carries the digest, its config and its key.
+carries the digest, its config and its key. A host that reads schema version 7 gets its devices'
+tasks of the round as one ``tasks`` message (:class:`~shared.schemas.Tasks`), not one each.
 
 The emulation is unchanged: a device is charged the bytes its real counterpart would download — its
 task plus the payload, as one message (``Outgoing.device_bytes``) — so budgets, timings and the
@@ -24,7 +25,7 @@ from services.common import encode_tensors
 from shared import codec
 from shared.algorithms.base import TaskSpec
 from shared.codec import tensorset
-from shared.schemas import Kind, Payload, Task
+from shared.schemas import MAX_TASKS, Kind, Payload, Task, Tasks
 from shared.schemas import _Body as Body
 
 #: encode(kind, body) → message bytes (the server's envelope for the current round)
@@ -44,6 +45,8 @@ class Outgoing:
     dense_bytes: int
     #: the host whose queue this goes to
     host: str
+    #: the task itself (batched with the host's others into a ``tasks`` message, where it reads them)
+    body: Task
 
 
 @dataclass
@@ -87,8 +90,9 @@ def build(
         spec = specs[dev]
         host = host_of(dev)
         if not spec.tensors:
-            data = encode(kind, Task(device_id=dev, config=spec.config, key=bytes.fromhex(task_key(dev))))
-            out.tasks.append(Outgoing(dev, route(host), data, len(data), 0, host))
+            bare = Task(device_id=dev, config=spec.config, key=bytes.fromhex(task_key(dev)))
+            data = encode(kind, bare)
+            out.tasks.append(Outgoing(dev, route(host), data, len(data), 0, host, bare))
             continue
         if id(spec) not in shared:
             tensors, dense = encode_tensors(spec.tensors)
@@ -109,17 +113,45 @@ def build(
             key=bytes.fromhex(task_key(dev)),
         )
         data = encode(kind, body)
-        out.tasks.append(Outgoing(dev, route(host), data, len(data) + size, dense, host))
+        out.tasks.append(Outgoing(dev, route(host), data, len(data) + size, dense, host, body))
     return out
 
 
 def publish(
-    fanout: Fanout, publish_many: Callable[[Kind, list[tuple[str, bytes, int]]], set[str]], kind: Kind
+    fanout: Fanout,
+    publish_many: Callable[[Kind, list[tuple[str, bytes, int]]], set[str]],
+    kind: Kind,
+    *,
+    batched: Callable[[str], bool] = lambda key: False,
+    encode: Encode | None = None,
 ) -> set[str]:
     """Send a fan-out: payloads first (a host's queue then holds each before the tasks that need
-    it), in one batch each; returns the routing keys nobody was bound for."""
+    it), in one broker round trip each; returns the routing keys nobody was bound for.
+
+    ``batched(routing key)``: does that host read ``tasks``? Its tasks then go as one
+    ``tasks`` message per :data:`~shared.schemas.MAX_TASKS`, in the order of ``fanout.tasks``
+    (encoded with ``encode``); the others one by one. Evaluation tasks (``kind`` evaluate) always
+    go one by one: they are sent once per run.
+    """
     unroutable = set()
     if fanout.payloads:
         unroutable |= publish_many(Kind.PAYLOAD, [(key, data, 0) for _, key, data in fanout.payloads])
-    unroutable |= publish_many(kind, [(t.routing_key, t.data, t.dense_bytes) for t in fanout.tasks])
+    singles: list[tuple[str, bytes, int]] = []
+    by_key: dict[str, list[Outgoing]] = {}
+    for t in fanout.tasks:
+        if kind is Kind.TASK and encode is not None and batched(t.routing_key):
+            by_key.setdefault(t.routing_key, []).append(t)
+        else:
+            singles.append((t.routing_key, t.data, t.dense_bytes))
+    if by_key:
+        assert encode is not None
+        batches = []
+        for key, outs in by_key.items():
+            for i in range(0, len(outs), MAX_TASKS):
+                chunk = outs[i : i + MAX_TASKS]
+                data = encode(Kind.TASKS, Tasks(tasks=[t.body for t in chunk]))
+                batches.append((key, data, sum(t.dense_bytes for t in chunk)))
+        unroutable |= publish_many(Kind.TASKS, batches)
+    if singles:
+        unroutable |= publish_many(kind, singles)
     return unroutable

@@ -706,8 +706,17 @@ class Server(ServiceBase):
         see ``fanout``); a task nobody can receive makes its device unreachable for the round."""
         assert rs.fanout is not None
         sending = rs.fanout if only is None else _only(rs.fanout, only)
-        # one broker round trip for the whole fan-out, not one confirm per device
-        unroutable = fanout.publish(sending, self.publish_batch, Kind.TASK)
+        # one broker round trip for the whole fan-out, not one confirm per device; and one ``tasks``
+        # message per host that reads them (version 7), not one ``task`` per device
+        unroutable = fanout.publish(
+            sending,
+            self.publish_batch,
+            Kind.TASK,
+            batched=lambda key: self.peers.version_for(key) >= KIND_SINCE[Kind.TASKS],
+            encode=lambda kind, body: encode(
+                kind, body, exp=self.experiment, round=rs.number, sender="", inc=self.incarnation
+            ),
+        )
         for out in sending.tasks:
             if out.routing_key in unroutable:
                 rs.unreachable.add(out.device)
@@ -777,21 +786,16 @@ class Server(ServiceBase):
         # One message per host (``Gos``, each host's goes in rank order), and one broker round
         # trip for all of them: at 10,000 devices a round's ~1,300 ``go`` messages were a quarter of
         # its messages, and confirmed one by one ~2.5 s of the server's CPU per round under cProfile
-        # (benchmarks/results-scale.md). A host of the previous schema version, which has no
-        # ``gos``, gets one ``go`` per device. A host that is gone (its key unroutable) is quiet, as
-        # before: its devices' updates never come, and the round's deadline decides.
-        batches: list[tuple[str, bytes, int]] = []
-        singles: list[tuple[str, bytes, int]] = []
-        for key, goes in by_host.items():
-            if self.peers.version_for(key) >= KIND_SINCE[Kind.GOS]:
-                for i in range(0, len(goes), MAX_GOS):
-                    batches.append((key, self._encode(Kind.GOS, Gos(goes=goes[i : i + MAX_GOS])), 0))
-            else:
-                singles += [(key, self._encode(Kind.GO, go), 0) for go in goes]
+        # (benchmarks/results-scale.md). Both versions this build writes (6 and 7) have ``gos``. A
+        # host that is gone (its key unroutable) is quiet, as before: its devices' updates never
+        # come, and the round's deadline decides.
+        batches = [
+            (key, self._encode(Kind.GOS, Gos(goes=goes[i : i + MAX_GOS])), 0)
+            for key, goes in by_host.items()
+            for i in range(0, len(goes), MAX_GOS)
+        ]
         if batches:
             self.publish_batch(Kind.GOS, batches)
-        if singles:
-            self.publish_batch(Kind.GO, singles)
 
     def _encode(self, kind: Kind, body: Body) -> bytes:
         """A message of the open round from this server."""

@@ -42,10 +42,13 @@ from shared.codec import tensorset
 #: 6: a device's MAC is keyed BLAKE3 instead of HMAC-SHA-256 (:func:`_mac`), the same 16 bytes over
 #: the same input; the layout is version 5's. Why: checking the MAC of a 438 KB update was a quarter
 #: of an aggregator's CPU at 10,000 devices, and making it a sixth of a client host's encoding.
-SCHEMA_VERSION = 6
+#: 7: ``tasks``, one message per host carrying its devices' tasks of a round (:class:`Tasks`); the
+#: layout and the MAC are version 6's. Why a version: a host of version 6 cannot read the new kind,
+#: so the server must know whom to send it (``KIND_SINCE``).
+SCHEMA_VERSION = 7
 #: The version before this one: still read, and written to a peer that speaks it (a client host of
 #: the previous image during a rolling upgrade; docs/wire.md, "Versions on the wire").
-PREVIOUS_VERSION = 5
+PREVIOUS_VERSION = 6
 
 
 class Kind(StrEnum):
@@ -72,11 +75,12 @@ class Kind(StrEnum):
     EVAL_RESULT = "eval_result"
     RECEIPTS = "receipts"
     GOS = "gos"
+    TASKS = "tasks"
 
 
 #: kinds that appeared after some accepted version: never written to a peer of an older one (it
 #: would not know them), and refused in an envelope of an older one
-KIND_SINCE: dict[Kind, int] = {Kind.GOS: 6}
+KIND_SINCE: dict[Kind, int] = {Kind.GOS: 6, Kind.TASKS: 7}
 
 
 class _Body(BaseModel):
@@ -358,6 +362,25 @@ class Gos(_Body):
     goes: list[Go] = Field(min_length=1, max_length=MAX_GOS)
 
 
+#: the most tasks one ``Tasks`` message carries (a round's devices of one host, or a chunk)
+MAX_TASKS = 4096
+
+
+class Tasks(_Body):
+    """Server → one host: the round's task of each of its selected devices, in one message (schema
+    version 7; a host of version 6 gets one ``task`` per device).
+
+    Why: a round sent one ``task`` per device, though all of a host's go out at the same moment to
+    the same queue, and since payloads (``Payload``) carry the tensors a task is ~50 bytes: ~1,300
+    messages a round at 10,000 devices, every one costing the broker, the server and the host their
+    per-message work (a delivery, an ack, a persistent write) for nothing the device needs
+    (benchmarks/results-scale.md). Every entry is handled as a lone ``task`` would be, and its
+    device is charged the bytes of that lone ``task`` (:func:`lone_task_size`): what a real device
+    would download does not depend on how the emulator batches its messages."""
+
+    tasks: list[Task] = Field(min_length=1, max_length=MAX_TASKS)
+
+
 class EvalResult(_Body):
     """Device → server: its personalised model's metrics on its own test split (no training)."""
 
@@ -433,6 +456,7 @@ BODY_MODELS: dict[Kind, type[_Body]] = {
     Kind.EVAL_RESULT: EvalResult,
     Kind.RECEIPTS: Receipts,
     Kind.GOS: Gos,
+    Kind.TASKS: Tasks,
 }
 
 
@@ -534,7 +558,7 @@ MAC_BYTES = 16
 #: each version's MAC algorithm, by its number. Why a table: at the next bump today's version
 #: becomes the previous one and keeps its algorithm; choosing by "is it the previous version" would
 #: then check every current host's MAC with the older algorithm. A version missing here has no MAC.
-MAC_ALGORITHMS: dict[int, str] = {5: "hmac-sha256", 6: "blake3-keyed"}
+MAC_ALGORITHMS: dict[int, str] = {6: "blake3-keyed", 7: "blake3-keyed"}
 #: BLAKE3's key-derivation context for a MAC key (its ``derive_key`` mode): a task key is 16 bytes,
 #: keyed BLAKE3 takes 32, and a context string keeps these keys apart from any other use of the same
 #: material
@@ -544,9 +568,9 @@ MAC_KEY_CONTEXT = "fedfleet 2026-11-29 device message MAC (schema version 6)"
 def _mac(key: str, v: int, kind: Kind, exp: str, round: int, inc: str, body: bytes, tel: bytes) -> bytes:
     """The MAC of a message of version ``v`` under the task key ``key`` (hex).
 
-    Version 6: keyed BLAKE3 under a key derived from the task key, truncated to :data:`MAC_BYTES`.
-    Version 5: HMAC-SHA-256, truncated likewise (what a host of the previous build makes). Both over
-    the same input: the envelope's fields that the receiver checks, the body and the telemetry.
+    Versions 6 and 7: keyed BLAKE3 under a key derived from the task key, truncated to
+    :data:`MAC_BYTES`, over the envelope's fields that the receiver checks (the version among them),
+    the body and the telemetry. Version 5's HMAC-SHA-256 is retired with version 5.
 
     Why BLAKE3: the MAC runs over every byte of every update twice (the device makes it, an
     aggregator checks it). Checking a 438 KB update took 211 µs with HMAC-SHA-256 and 55 µs with
@@ -558,11 +582,7 @@ def _mac(key: str, v: int, kind: Kind, exp: str, round: int, inc: str, body: byt
         raise ValueError(f"no MAC algorithm for schema version {v!r}")
     head = f"{v}|{kind.value}|{exp}|{round}|{inc}|{len(body)}|".encode()
     raw = bytes.fromhex(key)
-    if algorithm == "hmac-sha256":
-        h = hmac.new(raw, head, hashlib.sha256)
-        h.update(body)  # fed in parts, not ``head + body + tel``: no copy of a 438 KB update's body
-        h.update(tel)
-        return h.digest()[:MAC_BYTES]
+    assert algorithm == "blake3-keyed", algorithm  # the only one a readable version has
     # the key derived per call (~0.5 µs; a 438 KB update's MAC takes ~55 µs): no cache of task keys
     b = blake3.blake3(head, key=blake3.blake3(raw, derive_key_context=MAC_KEY_CONTEXT).digest())
     b.update(body)

@@ -16,6 +16,7 @@ from shared.transport.base import (
     key_aggregator,
     key_host,
     names,
+    split,
 )
 
 __all__ = [
@@ -34,4 +35,5 @@ __all__ = [
     "key_aggregator",
     "key_host",
     "names",
+    "split",
 ]

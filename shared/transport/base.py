@@ -101,6 +101,45 @@ class Delivery:
             self._nack(requeue)
 
 
+def split(delivery: Delivery, bodies: list[bytes]) -> list[Delivery]:
+    """One delivery per entry of a message that carries several (``tasks``), each settled on its own.
+
+    ``bodies``: each entry as the lone message it stands for (what a dead letter of that entry
+    stores, and whose length its device is charged). The message itself is acked once every part
+    is settled (acked or dead-lettered), so a crash before that redelivers all of it, and every
+    entry is handled again as a redelivered lone message would be. A part nacked with requeue
+    nacks the whole message at once (its other entries come back too: at least once, as with a
+    lost connection); without requeue, the broker would dead-letter them all, so the part is only
+    settled (the only such nack, the aggregators', never meets a part).
+    """
+    left = [len(bodies)]
+
+    def settled() -> None:
+        left[0] -= 1
+        if left[0] == 0:
+            delivery.ack()
+
+    def nacked(requeue: bool) -> None:
+        if requeue:
+            delivery.nack(requeue=True)
+        else:
+            settled()
+
+    return [
+        Delivery(
+            body=body,
+            routing_key=delivery.routing_key,
+            redelivered=delivery.redelivered,
+            headers=delivery.headers,
+            user_id=delivery.user_id,
+            reply_to=delivery.reply_to,
+            _ack=settled,
+            _nack=nacked,
+        )
+        for body in bodies
+    ]
+
+
 Handler = Callable[[Delivery], None]
 
 
