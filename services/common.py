@@ -161,6 +161,11 @@ class ServiceBase:
         host = sender.host_id if self.strict else body.host_id if isinstance(body, Heartbeat) else None
         if host:
             self.peers.learn(host, env.v)
+        self.handle(handler, env, body, delivery)
+
+    def handle(self, handler: MessageHandler, env: Envelope, body: Any, delivery: Delivery) -> None:
+        """Run ``handler`` on one message (or one entry of a message that carries several, with its
+        own delivery: ``shared.transport.split``); what it raises dead-letters that delivery alone."""
         try:
             handler(env, body, delivery)
         except codec.CodecError as err:

@@ -253,7 +253,7 @@ def test_each_host_gets_its_rounds_tasks_in_one_message_or_one_each_if_it_is_of_
         publish(self, key, body, *args, **kwargs)
 
     monkeypatch.setattr(InprocTransport, "publish", tapped)
-    overrides = {
+    overrides: dict[str, Any] = {
         "num_devices": 20,
         "devices_per_round": 4,
         "rounds": 3,
@@ -280,6 +280,18 @@ def test_each_host_gets_its_rounds_tasks_in_one_message_or_one_each_if_it_is_of_
         v = version_for(self, key)
         return min(v, PREVIOUS_VERSION) if key.startswith(key_host("")) else v
 
+    # in real time a host gets lone tasks: its devices' transfers are slept through one by one,
+    # and one message for all of them would stay unacknowledged for the host's whole round
+    sent.clear()
+    real = {
+        **overrides,
+        "rounds": 1,
+        "emulation": {"over_selection": over_selection, "time_mode": "real", "time_factor": 1000.0},
+    }
+    real_run, _ = _run(tmp_path, "tasks-real", "tasks-real", **real)
+    assert {x[1] for x in sent} == {Kind.TASK} and len(sent) == int(read_rounds(real_run)[0]["selected"])
+
+    sent.clear()
     monkeypatch.setattr(PeerVersions, "version_for", hosts_of_the_previous_version)
     old_run, _ = _run(tmp_path, "task", "tasks", **overrides)
     assert {x[1] for x in sent} == {Kind.TASK} and len(sent) == selected
@@ -300,6 +312,48 @@ def test_each_host_gets_its_rounds_tasks_in_one_message_or_one_each_if_it_is_of_
         assert _devices(new_run) == _devices(other)  # per device: the same bytes down and up
         with np.load(new_run / "global_model.npz") as a, np.load(other / "global_model.npz") as b:
             assert all(np.array_equal(a[k], b[k]) for k in a.files)
+
+
+@pytest.mark.parametrize("kind", ["task", "go"])
+def test_an_entry_that_fails_is_dead_lettered_alone_and_the_hosts_other_devices_go_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """One host serves every device: its round's tasks come in one ``tasks``, its decisions in one
+    ``gos``. If handling one entry raises (a bug), that entry is dead-lettered (``handler-error``,
+    as the lone message it stands for) and the host's other devices of the round still take part;
+    before, the whole message was dead-lettered and the round lost all of them."""
+    from services.client.service import Client
+
+    failed: list[int] = []
+    method = "_dispatch_task" if kind == "task" else "_go"
+    real = getattr(Client, method)
+
+    def once_a_bug(self: Client, env: Any, msg: Any, d: Any) -> None:
+        if env.round == 2 and not failed:
+            failed.append(msg.device_id)
+            raise RuntimeError("a bug on one device")
+        real(self, env, msg, d)
+
+    monkeypatch.setattr(Client, method, once_a_bug)
+    overrides: dict[str, Any] = {
+        "num_devices": 12,
+        "devices_per_round": 6,
+        "rounds": 3,
+        "round_timeout_s": 3,  # the failed device never answers: round 2 ends at its deadline
+        "processes": {"clients": 1, "aggregators": 1},
+    }
+    if kind == "go":
+        overrides["emulation"] = {"over_selection": 1.5}
+    run, _ = _run(tmp_path, f"entry-{kind}", **overrides)
+    rows = read_rounds(run)
+    assert [r["outcome"] for r in rows] == ["completed"] * 3 and len(failed) == 1
+    # every other invited device of round 2 answered (one kept device fewer for ``go``: it was
+    # ranked, kept, and its upload never came)
+    assert int(rows[1]["participants"]) == 5
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["dead_lettered"] == 1 and summary["dead_letter_reasons"] == {"handler-error": 1}
+    (letter,) = [json.loads(line) for line in (run / "dead_letters.jsonl").read_text().splitlines()]
+    assert (letter["kind"], letter["round"]) == (kind, 2)  # the entry as its lone message
 
 
 @pytest.mark.parametrize(

@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -237,7 +237,7 @@ class Client(ServiceBase):
             Kind.PAYLOAD: self.on_payload,
             Kind.TASK: self.on_task,
             Kind.TASKS: self.on_tasks,
-            Kind.GO: self.on_go,
+            Kind.GO: self._go,  # the server sends ``gos``; a lone ``go`` is read as one of its entries
             Kind.GOS: self.on_gos,
             Kind.EVALUATE: self.on_evaluate,
             Kind.STOP: self.on_stop,
@@ -489,15 +489,23 @@ class Client(ServiceBase):
     def on_tasks(self, env: Envelope, msg: Tasks, d: Delivery) -> None:
         """Every task of the message, in its order, as a lone ``task`` would be: each has a delivery
         of its own (``split``) whose body is that lone message, so its device is charged the same
-        bytes, and an entry for a device this host does not serve is dead-lettered alone. The
-        message is acked once every entry is settled."""
-        lone = env.model_copy(update={"kind": Kind.TASK})
-        bodies = [
-            encode(Kind.TASK, t, exp=self.experiment, round=env.round, sender="", inc=env.inc, version=env.v)
-            for t in msg.tasks
-        ]
-        for task, part in zip(msg.tasks, split(d, bodies), strict=True):
-            self.on_task(lone, task, part)
+        bytes, and an entry that fails (a device this host does not serve, a handler error) is
+        dead-lettered alone while the others go on. The message is acked once every entry is
+        settled, so a crash before then redelivers all of it."""
+        self._each(env, Kind.TASK, msg.tasks, d, self.on_task)
+
+    def _each(
+        self, env: Envelope, kind: Kind, entries: Sequence[Any], d: Delivery, handler: MessageHandler
+    ) -> None:
+        """``handler`` on each entry of a message that carries several, as on the lone ``kind``
+        message the entry stands for: with that message's envelope, and a delivery of its own whose
+        body is that message (``split``: what its device is charged, what its dead letter holds).
+        What one entry's handling raises dead-letters that entry alone (``handle``)."""
+        lone = env.model_copy(update={"kind": kind})
+        exp, rnd, sender, inc, v = self.experiment, env.round, env.sender, env.inc, env.v
+        bodies = [encode(kind, e, exp=exp, round=rnd, sender=sender, inc=inc, version=v) for e in entries]
+        for entry, part in zip(entries, split(d, bodies), strict=True):
+            self.handle(handler, lone, entry, part)
 
     def _dispatch_task(self, env: Envelope, msg: Task, d: Delivery) -> None:
         if env.kind is Kind.EVALUATE:
@@ -634,7 +642,7 @@ class Client(ServiceBase):
         packed = len(pack_body(Kind.UPDATE, bare)) + cached[2]
         return device_size(Kind.UPDATE, packed, exp=self.experiment, round=env.round, sender="", inc=env.inc)
 
-    def _train_deferred(self, job: _Deferred, d: Delivery | None) -> None:
+    def _train_deferred(self, job: _Deferred, d: Delivery) -> None:
         """The ``go`` kept a deferred device: train it now and upload, as ``ready`` announced."""
         got = job.got
         dev, tier = got.device.device_id, got.device.tier
@@ -775,9 +783,8 @@ class Client(ServiceBase):
             self.spool.drop(earlier.slot)
         self.deferred.pop(slot, None)
 
-    def _upload(self, data: bytes, dense: int, device: Device, up_s: float, d: Delivery | None) -> None:
-        """Publish an update, the answer to ``d`` (a task, or the go of a held update; None: the
-        caller acks what it answers once this is published, as ``on_gos`` does).
+    def _upload(self, data: bytes, dense: int, device: Device, up_s: float, d: Delivery) -> None:
+        """Publish an update, the answer to ``d`` (a task, or the ``go`` of a held or deferred one).
 
         Why two ways: in real time the upload is paced as the device's link would take it, and
         published when that time is over, one by one. In virtual time nothing waits, so the
@@ -832,22 +839,18 @@ class Client(ServiceBase):
         for key in [k for k in self.deferred if stale(k)]:
             del self.deferred[key]
 
-    def on_go(self, env: Envelope, msg: Go, d: Delivery) -> None:
-        self._go(env, msg, d)
-        self.ack_unless_queued(d)
-
     def on_gos(self, env: Envelope, msg: Gos, d: Delivery) -> None:
-        """Every ``go`` of the message, in its order, as lone ones would be; the message is acked
-        once all the uploads it asked for are published (a crash before that redelivers it, and a
-        restarted host holds nothing it could upload: its devices count as dropped, as for ``go``)."""
-        for go in msg.goes:
-            self._go(env, go, None)
+        """Every ``go`` of the message, in its order, as a lone one would be, with a delivery of its
+        own (``split``, as in ``on_tasks``): an entry whose handling fails is dead-lettered alone
+        and the others go on. The message is acked once every upload it asked for is published (a
+        crash before that redelivers it, and a restarted host holds nothing it could upload: its
+        devices count as dropped)."""
+        self._each(env, Kind.GO, msg.goes, d, self._go)
         self.flush()
-        d.ack()
 
-    def _go(self, env: Envelope, msg: Go, d: Delivery | None) -> None:
-        """Upload (train first, if deferred) or discard one device's update. ``d``: the delivery the
-        upload answers and that is acked after it (None: the caller acks)."""
+    def _go(self, env: Envelope, msg: Go, d: Delivery) -> None:
+        """Upload (train first, if deferred) or discard one device's update. ``d``: the delivery
+        (an entry of a ``gos``, or a lone ``go``) the upload answers, acked once it is published."""
         slot = (env.inc, env.round, msg.device_id)
         held = self.held.pop(slot, None)
         deferred = self.deferred.pop(slot, None)
@@ -866,3 +869,4 @@ class Client(ServiceBase):
         if stamp != self._go_stamp:
             self._go_stamp = stamp
             self._discard_held(lambda key: key[1] < env.round)
+        self.ack_unless_queued(d)

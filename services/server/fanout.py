@@ -12,7 +12,7 @@ tasks of the round as one ``tasks`` message (:class:`~shared.schemas.Tasks`), no
 The emulation is unchanged: a device is charged the bytes its real counterpart would download — its
 task plus the payload, as one message (``Outgoing.device_bytes``) — so budgets, timings and the
 communication-cost figures do not depend on how the emulator moves bytes. What crossed the broker is
-counted separately (``Fanout.broker_bytes``).
+counted separately, as it is published (``ServiceBase.publish_batch``).
 """
 
 from __future__ import annotations
@@ -59,10 +59,6 @@ class Fanout:
     by_digest: dict[bytes, bytes] = field(default_factory=dict)
     #: the payloads' tensor-set layouts by digest (the round's announcement lists them)
     layouts: dict[bytes, tensorset.Layout] = field(default_factory=dict)
-
-    @property
-    def broker_bytes(self) -> int:
-        return sum(len(d) for _, _, d in self.payloads) + sum(len(t.data) for t in self.tasks)
 
 
 def build(

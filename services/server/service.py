@@ -706,13 +706,18 @@ class Server(ServiceBase):
         see ``fanout``); a task nobody can receive makes its device unreachable for the round."""
         assert rs.fanout is not None
         sending = rs.fanout if only is None else _only(rs.fanout, only)
-        # one broker round trip for the whole fan-out, not one confirm per device; and one ``tasks``
-        # message per host that reads them (version 7), not one ``task`` per device
+        # One broker round trip for the whole fan-out, not one confirm per device; and in virtual
+        # time one ``tasks`` message per host that reads them (version 7), not one ``task`` per
+        # device. Not in real time: a host acks a ``tasks`` once every entry is answered, and there
+        # each device's download and upload are slept through one after the other, so a host's
+        # round could outlast the broker's delivery acknowledgement timeout (``consumer_timeout``,
+        # 30 minutes by default) where lone tasks wait at most ``client_prefetch`` devices' time.
+        batch = self.cfg.emulation.time_mode != "real"
         unroutable = fanout.publish(
             sending,
             self.publish_batch,
             Kind.TASK,
-            batched=lambda key: self.peers.version_for(key) >= KIND_SINCE[Kind.TASKS],
+            batched=lambda key: batch and self.peers.version_for(key) >= KIND_SINCE[Kind.TASKS],
             encode=lambda kind, body: encode(
                 kind, body, exp=self.experiment, round=rs.number, sender="", inc=self.incarnation
             ),

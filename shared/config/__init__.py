@@ -178,10 +178,12 @@ class ProcessConfig(_Strict):
     clients: int = Field(2, ge=1)
     #: updates an aggregator may hold unacknowledged before it flushes a partial on its own
     prefetch: int = Field(32, ge=2)
-    #: tasks a client host takes from its queue at once. A turn of its loop trains what it took and
-    #: uploads the updates in broker transactions of up to 8, so a larger value means fewer
-    #: transactions (each a round trip, and CPU on both sides); its heartbeats go out between tasks
-    #: however long the turn. 1 takes one task at a time.
+    #: messages a client host takes from its queue at once: lone tasks in real time (or from a host
+    #: of schema version 6), and in virtual time one ``tasks`` message per host and round that holds
+    #: all its devices' tasks, counted as one. A turn of its loop trains what it took and uploads the
+    #: updates in broker transactions of up to 8, so a larger value means fewer transactions (each a
+    #: round trip, and CPU on both sides); its heartbeats go out between tasks however long the
+    #: turn. 1 takes one message at a time.
     client_prefetch: int = Field(32, ge=1)
     #: messages larger than this are dead-lettered unread (bytes)
     max_message_bytes: int = Field(256 * 1024 * 1024, ge=1024)

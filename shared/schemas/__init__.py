@@ -351,8 +351,8 @@ MAX_GOS = 4096
 
 
 class Gos(_Body):
-    """Server → one host: the ``go`` of each of its devices in a round, in one message (schema
-    version 6; a host of version 5 gets one ``go`` per device).
+    """Server → one host: the ``go`` of each of its devices in a round, in one message (since schema
+    version 6: every host this build writes to reads it, so the server sends no lone ``go``).
 
     Why: a first-finishers round at 10,000 devices sent ~1,300 ``go`` messages, one per invited
     device, though all of a host's go out at the same moment to the same queue: a quarter of a
@@ -375,8 +375,10 @@ class Tasks(_Body):
     messages a round at 10,000 devices, every one costing the broker, the server and the host their
     per-message work (a delivery, an ack, a persistent write) for nothing the device needs
     (benchmarks/results-scale.md). Every entry is handled as a lone ``task`` would be, and its
-    device is charged the bytes of that lone ``task`` (:func:`lone_task_size`): what a real device
-    would download does not depend on how the emulator batches its messages."""
+    device is charged the bytes of that lone ``task`` (the client encodes it for the entry's
+    delivery, ``shared.transport.split``): what a real device would download does not depend on
+    how the emulator batches its messages. Sent in virtual time only (``Server._send_tasks`` says
+    why not in real time)."""
 
     tasks: list[Task] = Field(min_length=1, max_length=MAX_TASKS)
 
@@ -468,7 +470,7 @@ class Envelope(BaseModel):
     (empty on a device's messages: the device id is in the body); who really sent a message is the
     broker-validated ``user_id`` of the delivery.
 
-    On the wire (versions 5 and 6) this is a msgpack *array*, not a map — field names cost more
+    On the wire (versions 6 and 7) this is a msgpack *array*, not a map — field names cost more
     than most fields — see :func:`encode`. ``exp`` is not sent: a 32-bit tag of it is (``exp_tag``), and the
     receiver, which knows its experiment, checks the tag and fills ``exp`` in.
     """
@@ -738,7 +740,7 @@ def encode(
     ``version``: :data:`SCHEMA_VERSION` (the default), or :data:`PREVIOUS_VERSION` for a peer that
     speaks only that one.
 
-    Wire form (versions 5 and 6 alike but for the MAC's algorithm), one msgpack array::
+    Wire form (versions 6 and 7 alike; version 7 adds the ``tasks`` kind), one msgpack array::
 
         [v, kind code, exp tag, inc (int; bin if not 4 bytes), round, sender, body (bin), mac (bin),
          telemetry (bin)]
@@ -814,7 +816,7 @@ def pack_body(
     kind: Kind, body: _Body, *, known: Mapping[bytes, Any] | None = None, version: int = SCHEMA_VERSION
 ) -> bytes:
     """The body bin of :func:`encode`: the body's fields but its telemetry, positional, with its
-    tensor sets' blobs after them (the same in versions 5 and 6; ``version`` is checked only)."""
+    tensor sets' blobs after them (the same in versions 6 and 7; ``version`` is checked only)."""
     _check_version(version)
     names, _ = _body_fields(kind)
     blobs: list[bytes] = []

@@ -1,0 +1,56 @@
+"""``shared.transport.split``: one delivery per entry of a message that carries several."""
+
+from __future__ import annotations
+
+from shared.transport import Delivery, split
+
+
+def _parent() -> tuple[Delivery, list[str]]:
+    events: list[str] = []
+    d = Delivery(
+        body=b"whole",
+        routing_key="host.h1",
+        redelivered=True,
+        headers={"h": 1},
+        user_id="fedfleet-server",
+        _ack=lambda: events.append("ack"),
+        _nack=lambda requeue: events.append(f"nack requeue={requeue}"),
+    )
+    return d, events
+
+
+def test_the_message_is_acked_once_every_part_is_settled_and_only_once() -> None:
+    d, events = _parent()
+    a, b, c = split(d, [b"a", b"b", b"c"])
+    assert [p.body for p in (a, b, c)] == [b"a", b"b", b"c"]
+    # each part is read as the message was delivered: who sent it, where, redelivered or not
+    assert all(
+        (p.routing_key, p.redelivered, p.user_id, p.headers) == ("host.h1", True, "fedfleet-server", {"h": 1})
+        for p in (a, b, c)
+    )
+    c.ack()
+    a.ack()
+    a.ack()  # a part settles once: a second ack does not count as another part's
+    assert events == [] and not d.settled
+    b.nack(requeue=False)  # (settled, as a dead-lettered part is: acked after its dead letter)
+    assert events == ["ack"] and d.settled
+    c.ack()
+    assert events == ["ack"]
+
+
+def test_a_part_nacked_with_requeue_sends_the_whole_message_back() -> None:
+    d, events = _parent()
+    a, b = split(d, [b"a", b"b"])
+    a.ack()
+    b.nack(requeue=True)
+    assert events == ["nack requeue=True"]
+    b.ack()
+    assert events == ["nack requeue=True"]  # the message is settled: nothing more reaches the broker
+
+
+def test_a_part_left_unsettled_keeps_the_message_unacked() -> None:
+    d, events = _parent()
+    parts = split(d, [b"a", b"b", b"c"])
+    for p in parts[:2]:
+        p.ack()
+    assert events == [] and not d.settled  # a crash now redelivers the whole message
