@@ -16,6 +16,7 @@ from services.cli import main
 from services.orchestrator import run_inproc
 from shared.config import load_config
 from shared.experiment import Experiment
+from shared.schemas import Kind, decode, message_parts
 from tests.conftest import read_rounds, write_config
 
 
@@ -177,6 +178,27 @@ def test_availability_dropouts_and_over_selection(tmp_path: Path) -> None:
     assert [tuple(r[k] for k in key) for r in rows] == [tuple(r[k] for k in key) for r in read_rounds(run_b)]
 
 
+def _tap_batches(
+    monkeypatch: pytest.MonkeyPatch, lone: Kind, batch: Kind, entries: str
+) -> list[tuple[str, Kind, int]]:
+    """Record every ``lone`` or ``batch`` message published in one process: (routing key, kind, how
+    many entries it carries, ``entries`` being the batch body's list field)."""
+    from shared.transport.inproc import InprocTransport
+
+    sent: list[tuple[str, Kind, int]] = []
+    publish = InprocTransport.publish
+
+    def tapped(self: InprocTransport, key: str, body: bytes, *args: Any, **kwargs: Any) -> None:
+        kind = message_parts(body).kind
+        if kind in (lone, batch):
+            msg = decode(body, max_bytes=len(body))[1]
+            sent.append((key, kind, len(getattr(msg, entries)) if kind is batch else 1))
+        publish(self, key, body, *args, **kwargs)
+
+    monkeypatch.setattr(InprocTransport, "publish", tapped)
+    return sent
+
+
 def test_each_host_gets_its_rounds_goes_in_one_message(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -184,21 +206,10 @@ def test_each_host_gets_its_rounds_goes_in_one_message(
     versions this build writes have ``gos``), split only past ``MAX_GOS``, with the same model."""
     import numpy as np
 
-    from shared.schemas import KIND_SINCE, PREVIOUS_VERSION, Kind, decode, message_parts
-    from shared.transport.inproc import InprocTransport
+    from shared.schemas import KIND_SINCE, PREVIOUS_VERSION
 
     assert KIND_SINCE[Kind.GOS] <= PREVIOUS_VERSION  # the server sends ``gos`` to every host
-    sent: list[tuple[str, Kind, int]] = []  # (routing key, kind, decisions carried)
-    publish = InprocTransport.publish
-
-    def tapped(self: InprocTransport, key: str, body: bytes, *args: Any, **kwargs: Any) -> None:
-        kind = message_parts(body).kind
-        if kind in (Kind.GO, Kind.GOS):
-            msg = decode(body, max_bytes=len(body))[1]
-            sent.append((key, kind, len(msg.goes) if kind is Kind.GOS else 1))
-        publish(self, key, body, *args, **kwargs)
-
-    monkeypatch.setattr(InprocTransport, "publish", tapped)
+    sent = _tap_batches(monkeypatch, Kind.GO, Kind.GOS, "goes")  # (routing key, kind, decisions)
     overrides = {
         "num_devices": 20,
         "devices_per_round": 4,
@@ -236,23 +247,12 @@ def test_each_host_gets_its_rounds_tasks_in_one_message_or_one_each_if_it_is_of_
     import numpy as np
 
     import services.server.fanout as fanout_module
-    from shared.schemas import KIND_SINCE, PREVIOUS_VERSION, Kind, decode, message_parts
+    from shared.schemas import KIND_SINCE, PREVIOUS_VERSION
     from shared.schemas.peers import PeerVersions
     from shared.transport import key_host
-    from shared.transport.inproc import InprocTransport
 
     assert KIND_SINCE[Kind.TASKS] > PREVIOUS_VERSION
-    sent: list[tuple[str, Kind, int]] = []  # (routing key, kind, tasks carried)
-    publish = InprocTransport.publish
-
-    def tapped(self: InprocTransport, key: str, body: bytes, *args: Any, **kwargs: Any) -> None:
-        kind = message_parts(body).kind
-        if kind in (Kind.TASK, Kind.TASKS):
-            msg = decode(body, max_bytes=len(body))[1]
-            sent.append((key, kind, len(msg.tasks) if kind is Kind.TASKS else 1))
-        publish(self, key, body, *args, **kwargs)
-
-    monkeypatch.setattr(InprocTransport, "publish", tapped)
+    sent = _tap_batches(monkeypatch, Kind.TASK, Kind.TASKS, "tasks")  # (routing key, kind, tasks)
     overrides: dict[str, Any] = {
         "num_devices": 20,
         "devices_per_round": 4,
