@@ -18,11 +18,22 @@ from typing import Any
 from shared import codec, metrics
 from shared.codec.tensorset import LayoutCache
 from shared.identity import ACCEPTS, Role, Sender, identify, strict
-from shared.schemas import DecodeError, Envelope, Heartbeat, Kind, RoundOpen, decode, encode
+from shared.schemas import (
+    ANSWER_KINDS,
+    MAX_ANSWERS,
+    Answers,
+    DecodeError,
+    Envelope,
+    Heartbeat,
+    Kind,
+    RoundOpen,
+    decode,
+    encode,
+)
 from shared.schemas import _Body as Body
 from shared.schemas.peers import PeerVersions
 from shared.topology import routable
-from shared.transport import Delivery, Transport, Unroutable
+from shared.transport import KEY_SERVER, Delivery, Transport, Unroutable
 
 #: kinds a broker restart may lose without harm beyond their round, published transient (see
 #: ``Transport.publish``): a device's update, one per device per round and the bulk of the bytes.
@@ -83,14 +94,14 @@ OUTBOX_LIMIT = 8
 
 @dataclass
 class _Outgoing:
-    """One encoded message waiting for ``flush``, and the delivery it answers (acked once it is
-    published)."""
+    """One encoded message waiting for ``flush``, and the deliveries it answers (acked once it is
+    published: one, or those of every answer an ``answers`` message carries)."""
 
     kind: Kind
     key: str
     data: bytes
     dense_bytes: int = 0
-    answers: Delivery | None = None
+    answers: tuple[Delivery, ...] = ()
 
 
 class ServiceBase:
@@ -108,6 +119,8 @@ class ServiceBase:
         #: message bytes this service put on, and took off, the broker (its share of broker traffic)
         self.bytes_published = 0
         self.bytes_consumed = 0
+        #: ``flush`` sends the devices' answers to the server as ``answers`` (a client host's)
+        self.bundles_answers = False
         #: tensor-set layouts learned from the server (what a message may name by digest)
         self.layouts = LayoutCache()
         #: the schema version each host speaks: what is addressed to a host goes in its version
@@ -125,10 +138,16 @@ class ServiceBase:
             )
 
     # -- receiving -------------------------------------------------------------------------------
-    def dispatch(self, delivery: Delivery, handlers: Mapping[Kind, MessageHandler]) -> None:
-        """Decode, check and route one delivery; anything wrong goes to the dead-letter queue."""
-        metrics.RECEIVED_BYTES.labels(self.experiment, self.service, "any").inc(len(delivery.body))
-        self.bytes_consumed += len(delivery.body)
+    def dispatch(
+        self, delivery: Delivery, handlers: Mapping[Kind, MessageHandler], *, entry: bool = False
+    ) -> None:
+        """Decode, check and route one delivery; anything wrong goes to the dead-letter queue.
+
+        ``entry``: the delivery is one message of an ``answers`` (``shared.transport.split``), whose
+        bytes were counted as the ``answers`` was received; it gets every check a lone one gets."""
+        if not entry:
+            metrics.RECEIVED_BYTES.labels(self.experiment, self.service, "any").inc(len(delivery.body))
+            self.bytes_consumed += len(delivery.body)
         if len(delivery.body) > self.max_bytes:
             self.reject(delivery, "oversized", f"{len(delivery.body)} bytes > limit {self.max_bytes}")
             return
@@ -264,19 +283,21 @@ class ServiceBase:
         batch.
         """
         _check_route(kind, key)
-        self.outbox.append(_Outgoing(kind, key, data, dense_bytes, answers))
+        self.outbox.append(_Outgoing(kind, key, data, dense_bytes, () if answers is None else (answers,)))
         if len(self.outbox) >= OUTBOX_LIMIT:
             self.flush()
 
     def ack_unless_queued(self, d: Delivery) -> None:
         """Ack ``d`` now, unless a message waiting for the flush answers it: the flush acks it then
         (``publish_soon``'s ``answers``)."""
-        if not any(o.answers is d for o in self.outbox):
+        if not any(a is d for o in self.outbox for a in o.answers):
             d.ack()
 
     def flush(self) -> None:
         """Publish what ``send_soon`` / ``publish_soon`` queued, one batch per kind, in the order
         they were queued; then ack the deliveries they answer."""
+        if self.bundles_answers:
+            self._bundle_answers()
         while self.outbox:
             kind = self.outbox[0].kind
             batch = [o for o in self.outbox if o.kind is kind]
@@ -293,12 +314,36 @@ class ServiceBase:
                     extra={"event": "unroutable", "reason": kind.value},
                 )
             for o in batch:
-                if o.answers is None:
-                    continue
-                if o.key in unroutable:
-                    self.reject(o.answers, "unroutable", f"no queue took its {kind.value} ({o.key!r})")
-                else:
-                    o.answers.ack()
+                for d in o.answers:
+                    if o.key in unroutable:
+                        self.reject(d, "unroutable", f"no queue took its {kind.value} ({o.key!r})")
+                    else:
+                        d.ack()
+
+    def _bundle_answers(self) -> None:
+        """Put the devices' answers to the server in the outbox (``ready``, ``reject``,
+        ``eval_result``: ``ANSWER_KINDS``) into ``answers`` messages, one per
+        :data:`~shared.schemas.MAX_ANSWERS`, where the first of them was; one answer alone stays
+        as it is. Each carries the answered deliveries of its messages: acked once it is published,
+        dead-lettered ``unroutable`` if nobody took it, as each alone would have been."""
+        picked = [o for o in self.outbox if o.key == KEY_SERVER and o.kind in ANSWER_KINDS]
+        if len(picked) < 2:
+            return
+        bundles = []
+        for i in range(0, len(picked), MAX_ANSWERS):
+            chunk = picked[i : i + MAX_ANSWERS]
+            body = Answers(messages=[o.data for o in chunk])
+            data = encode(Kind.ANSWERS, body, exp=self.experiment, round=0, sender="")
+            answered = tuple(d for o in chunk for d in o.answers)
+            bundles.append(_Outgoing(Kind.ANSWERS, KEY_SERVER, data, 0, answered))
+        ids = {id(o) for o in picked}
+        outbox: list[_Outgoing] = []
+        for o in self.outbox:
+            if id(o) not in ids:
+                outbox.append(o)
+            elif o is picked[0]:
+                outbox += bundles
+        self.outbox = outbox
 
     def publish_raw(self, key: str, kind: Kind, data: bytes, *, dense_bytes: int = 0) -> int:
         """Publish an already-encoded message and count it — the one place wire bytes are counted,

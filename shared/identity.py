@@ -103,7 +103,15 @@ def strict(own_user: str | None) -> bool:
     return identify(own_user).role is not Role.UNKNOWN
 
 
-_FROM_HOSTS = (Kind.HEARTBEAT, Kind.DEVICE_STATE, Kind.REJECT, Kind.READY, Kind.EVAL_RESULT, Kind.FETCH)
+_FROM_HOSTS = (
+    Kind.HEARTBEAT,
+    Kind.DEVICE_STATE,
+    Kind.REJECT,
+    Kind.READY,
+    Kind.EVAL_RESULT,
+    Kind.FETCH,
+    Kind.ANSWERS,
+)
 _TO_AGGREGATORS = (Kind.ROUND_OPEN, Kind.FLUSH, Kind.DECISION, Kind.ROUND_SUMMARY, Kind.STOP)
 _TO_HOSTS = (
     Kind.LEASE,

@@ -47,6 +47,7 @@ ROUTES: dict[Kind, tuple[str, ...]] = {
     Kind.EVAL_RESULT: (KEY_SERVER,),
     Kind.GOS: (HOST_KEY,),
     Kind.TASKS: (HOST_KEY,),
+    Kind.ANSWERS: (KEY_SERVER,),
 }
 
 

@@ -314,6 +314,74 @@ def test_each_host_gets_its_rounds_tasks_in_one_message_or_one_each_if_it_is_of_
             assert all(np.array_equal(a[k], b[k]) for k in a.files)
 
 
+def test_a_hosts_answers_of_a_turn_go_in_one_message_with_the_same_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In virtual time a host sends the readies (and rejects) that one turn of its loop queued
+    as one ``answers`` message, each entry the lone message with its MAC, which the server checks
+    and handles as if it had come alone. The run is the one the lone messages make; an entry that
+    fails on the server (a bug, once) is dead-lettered alone and the others count."""
+    import numpy as np
+
+    from services.common import ServiceBase
+    from services.server.service import Server
+
+    sent = _tap_batches(monkeypatch, Kind.READY, Kind.ANSWERS, "messages")
+    overrides: dict[str, Any] = {
+        "num_devices": 20,
+        "devices_per_round": 4,
+        "rounds": 3,
+        "emulation": {"over_selection": 2.0},
+        "processes": {"clients": 2, "aggregators": 1},
+    }
+    bundled, _ = _run(tmp_path, "answers", "answers", **overrides)
+    assert {k for _, k, _ in sent} == {Kind.ANSWERS} and all(n > 1 for _, _, n in sent)
+    entries = sum(n for _, _, n in sent)
+    sent.clear()
+    with monkeypatch.context() as m:
+        m.setattr(ServiceBase, "_bundle_answers", lambda self: None)
+        lone, _ = _run(tmp_path, "lone-answers", "answers", **overrides)
+    assert {k for _, k, _ in sent} == {Kind.READY} and len(sent) == entries > 8
+    key = (
+        "selected",
+        "participants",
+        "dropped",
+        "virtual_seconds",
+        "accuracy",
+        "loss",
+        "bytes_down",
+        "bytes_up",
+    )
+    assert [tuple(r[k] for k in key) for r in read_rounds(bundled)] == [
+        tuple(r[k] for k in key) for r in read_rounds(lone)
+    ]
+    assert _devices(bundled) == _devices(lone)
+    with np.load(bundled / "global_model.npz") as a, np.load(lone / "global_model.npz") as b:
+        assert all(np.array_equal(a[k], b[k]) for k in a.files)
+
+    failed: list[int] = []
+    real = Server.on_ready
+
+    def once_a_bug(self: Server, env: Any, msg: Any, d: Any) -> None:
+        if env.round == 2 and not failed:
+            failed.append(msg.device_id)
+            raise RuntimeError("a bug on one ready")
+        real(self, env, msg, d)
+
+    monkeypatch.setattr(Server, "on_ready", once_a_bug)
+    # the lost ready keeps round 2 open until its deadline (round 1 must fit in it, warm-up and all)
+    run, _ = _run(tmp_path, "answers-bug", "answers", **{**overrides, "round_timeout_s": 8})
+    # (a ready lost this way leaves the server waiting for it until round 2's deadline, as a lone
+    # one would; the others of that ``answers`` were handled, and only the one is a dead letter)
+    rows = read_rounds(run)
+    assert [rows[0]["outcome"], rows[2]["outcome"]] == ["completed"] * 2 and len(failed) == 1
+    # (its late round-2 updates, if any, are dead-lettered by the aggregators as stale)
+    letters = [json.loads(line) for line in (run / "dead_letters.jsonl").read_text().splitlines()]
+    assert not [x for x in letters if x["kind"] == "answers"]
+    (letter,) = [x for x in letters if x["reason"] == "handler-error"]
+    assert (letter["kind"], letter["round"]) == ("ready", 2)  # the entry as its lone message
+
+
 @pytest.mark.parametrize("kind", ["task", "go"])
 def test_an_entry_that_fails_is_dead_lettered_alone_and_the_hosts_other_devices_go_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
@@ -339,7 +407,9 @@ def test_an_entry_that_fails_is_dead_lettered_alone_and_the_hosts_other_devices_
         "num_devices": 12,
         "devices_per_round": 6,
         "rounds": 3,
-        "round_timeout_s": 3,  # the failed device never answers: round 2 ends at its deadline
+        # the failed device never answers: round 2 ends at its deadline (which round 1, warm-up
+        # and all, must fit in)
+        "round_timeout_s": 8,
         "processes": {"clients": 1, "aggregators": 1},
     }
     if kind == "go":

@@ -43,7 +43,7 @@ from services.orchestrator import ProcessCluster, run_inproc
 from shared import codec, identity, provision
 from shared.config import load_config
 from shared.experiment import Experiment
-from shared.schemas import Kind, Partial, Receipt, Receipts, Reject, Stop, Update, encode
+from shared.schemas import Answers, Kind, Partial, Receipt, Receipts, Reject, Stop, Update, encode
 from shared.transport import KEY_AGGREGATORS, KEY_CLIENTS, KEY_SERVER, KEY_UPDATE
 from shared.transport.amqp import AmqpTransport
 from tests.conftest import read_rounds, wait_for, write_config
@@ -179,6 +179,10 @@ class Attacker(Client):
         )
         refusal = Reject(device_id=others[0], reason="memory")
         self.transport.publish(KEY_SERVER, message(Kind.REJECT, refusal, msg.key))
+        # 7. the same inside an ``answers``, where each entry gets a lone message's checks: a partial
+        #    (not a device's answer, whoever sends it) and a refusal in another device's name
+        smuggled = [message(Kind.PARTIAL, partial), message(Kind.REJECT, refusal, msg.key)]
+        self.transport.publish(KEY_SERVER, message(Kind.ANSWERS, Answers(messages=smuggled)))
         # 2./4./6. what the broker must refuse this host's own user
         url, q = self.host_url, self.queue
         stop = message(Kind.STOP, Stop())
@@ -301,7 +305,9 @@ def test_every_attack_a_client_host_can_make_is_refused(tmp_path: Path) -> None:
             reasons.append(props.headers["x-fedfleet-reason"])
         conn.close()
         assert reasons.count("wrong-sender") >= 2, reasons  # the partial, the receipts
-        assert reasons.count("forged") >= 3, reasons  # other's update, altered copy, other's refusal
+        # other's update, altered copy, other's refusal, alone and in an ``answers``
+        assert reasons.count("forged") >= 4, reasons
+        assert "unexpected-kind" in reasons, reasons  # the partial inside the ``answers``
         # no attack changed anything: the model of the same run without an attacker
         assert [r["outcome"] for r in read_rounds(cluster.run_dir)] == ["completed"] * 4
         reference = tmp_path / "reference"

@@ -199,6 +199,7 @@ class Client(ServiceBase):
         self.fleet = exp.fleet  # indexed by device id; profiles made on demand (shared.devices.LazyFleet)
         #: first-finishers protocol: when on, devices report ``ready`` and upload only on ``go``
         self.ready_protocol = cfg.emulation.over_selection > 1 or cfg.emulation.round_deadline_s is not None
+        self.bundles_answers = True  # a turn's ``ready``/``reject``/``eval_result`` go as one ``answers``
         self.held: dict[tuple[str, int, int], _Held] = {}
         #: first-finishers tasks answered ``ready`` before training (see ``_Deferred``), same keys
         self.deferred: dict[tuple[str, int, int], _Deferred] = {}

@@ -52,8 +52,10 @@ from shared.devices import dropout_point, over_select
 from shared.experiment import Experiment
 from shared.provision import BrokerAdmin, ProvisionError, new_host
 from shared.schemas import (
+    ANSWER_KINDS,
     KIND_SINCE,
     MAX_GOS,
+    Answers,
     DeviceState,
     Envelope,
     EvalResult,
@@ -92,6 +94,7 @@ from shared.transport import (
     Unroutable,
     key_aggregator,
     key_host,
+    split,
 )
 
 FLUSH_RETRY_S = 1.0
@@ -191,7 +194,18 @@ class Server(ServiceBase):
             Kind.PARTIAL: self.on_partial,
             Kind.READY: self.on_ready,
             Kind.EVAL_RESULT: self.on_eval_result,
+            Kind.ANSWERS: self.on_answers,
         }
+
+    def on_answers(self, env: Envelope, msg: Answers, d: Delivery) -> None:
+        """Each message of a host's ``answers`` as if it had come alone, with every check a lone one
+        gets (its kind among ``ANSWER_KINDS``, its sender's role, its MAC), on a delivery of its own
+        (``split``): one that fails is dead-lettered alone; the ``answers`` is acked once all are
+        settled."""
+        handlers = self._handlers()
+        only = {kind: handlers[kind] for kind in ANSWER_KINDS}
+        for part in split(d, msg.messages):
+            self.dispatch(part, only, entry=True)
 
     def _create_series(self) -> None:
         """Create the labelled series now: a histogram appears only at its first observation, and a
