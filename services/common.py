@@ -284,8 +284,12 @@ class ServiceBase:
         """
         _check_route(kind, key)
         self.outbox.append(_Outgoing(kind, key, data, dense_bytes, () if answers is None else (answers,)))
-        if len(self.outbox) >= OUTBOX_LIMIT:
+        if self.outbox_full():
             self.flush()
+
+    def outbox_full(self) -> bool:
+        """Whether ``publish_soon`` flushes now: :data:`OUTBOX_LIMIT` messages wait."""
+        return len(self.outbox) >= OUTBOX_LIMIT
 
     def ack_unless_queued(self, d: Delivery) -> None:
         """Ack ``d`` now, unless a message waiting for the flush answers it: the flush acks it then

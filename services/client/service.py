@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from services.client.spool import Slot, Spool
-from services.common import MessageHandler, ServiceBase, decode_tensors, encode_tensors
+from services.common import OUTBOX_LIMIT, MessageHandler, ServiceBase, decode_tensors, encode_tensors
 from shared import metrics
 from shared.algorithms.base import DeviceContext, DeviceData, TaskSpec, UpdateSpec, derive_seed
 from shared.algorithms.device_state import atomic_write_bytes
@@ -58,6 +58,7 @@ from shared.devices import (
 )
 from shared.experiment import Experiment, HostedData
 from shared.schemas import (
+    MAX_ANSWERS,
     DeviceState,
     Envelope,
     EvalResult,
@@ -486,6 +487,17 @@ class Client(ServiceBase):
             self.reject(d, "unknown-device", f"device {msg.device_id} is not hosted by {self.client_id}")
             return
         self._dispatch_task(env, msg, d)
+
+    def outbox_full(self) -> bool:
+        """Flush once :data:`~services.common.OUTBOX_LIMIT` *uploads* wait (so the aggregators get
+        to work while the turn trains on), or a full ``answers`` of other messages does.
+
+        Why not 8 of anything, as other services: in a first-finishers round a host answers
+        ``ready`` for every device of its ``tasks`` before training any (``_defer``), and 8 at a
+        time made ~40 ``answers`` and broker commits a host and round at 10,000 devices instead of
+        one. Nothing waits on a ``ready`` but the server's decision, which waits for all of them."""
+        uploads = sum(o.kind is Kind.UPDATE for o in self.outbox)
+        return uploads >= OUTBOX_LIMIT or len(self.outbox) >= MAX_ANSWERS
 
     def on_tasks(self, env: Envelope, msg: Tasks, d: Delivery) -> None:
         """Every task of the message, in its order, as a lone ``task`` would be: each has a delivery
