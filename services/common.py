@@ -88,7 +88,8 @@ MessageHandler = Callable[[Envelope, Any, Delivery], None]
 #: ``publish_soon`` flushes once this many messages wait. Why a cap: a client that was handed a
 #: burst of tasks (a round's fan-out arrives in one read) would otherwise train all of them before
 #: uploading any, and the aggregator would sit idle meanwhile; 8 keeps one commit per 8 uploads
-#: while the aggregator starts after the eighth.
+#: while the aggregator starts after the eighth. (A client host counts only its uploads towards it:
+#: ``Client.outbox_full``.)
 OUTBOX_LIMIT = 8
 
 
@@ -127,6 +128,12 @@ class ServiceBase:
         self.peers = PeerVersions()
         #: messages encoded by ``send_soon`` / ``publish_soon`` and not yet published (``flush``)
         self.outbox: list[_Outgoing] = []
+        #: of the outbox: the ids of the deliveries it answers (alive while it holds them), its
+        #: uploads, and when its oldest message was queued. Kept as it fills, not scanned per call:
+        #: a host's outbox may hold a whole ``tasks`` message's answers (thousands)
+        self._answering: set[int] = set()
+        self._uploads = 0
+        self.outbox_since: float | None = None
         #: senders are checked (role, lease) unless every service shares one broker user (dev mode)
         self.strict = strict(transport.user)
         if not self.strict:
@@ -271,7 +278,8 @@ class ServiceBase:
     def publish_soon(
         self, key: str, kind: Kind, data: bytes, *, dense_bytes: int = 0, answers: Delivery | None = None
     ) -> None:
-        """``publish_raw`` at the next ``flush`` (at once when :data:`OUTBOX_LIMIT` messages wait).
+        """``publish_raw`` at the next ``flush`` (at once when ``outbox_full``: by default when
+        :data:`OUTBOX_LIMIT` messages wait).
 
         ``answers``: the delivery this message is the answer to. It is acked only after the message
         is published, so a crash before that leaves the delivery to be redelivered and answered
@@ -283,7 +291,12 @@ class ServiceBase:
         batch.
         """
         _check_route(kind, key)
+        if not self.outbox:
+            self.outbox_since = time.monotonic()
         self.outbox.append(_Outgoing(kind, key, data, dense_bytes, () if answers is None else (answers,)))
+        if answers is not None:
+            self._answering.add(id(answers))
+        self._uploads += kind is Kind.UPDATE
         if self.outbox_full():
             self.flush()
 
@@ -294,12 +307,20 @@ class ServiceBase:
     def ack_unless_queued(self, d: Delivery) -> None:
         """Ack ``d`` now, unless a message waiting for the flush answers it: the flush acks it then
         (``publish_soon``'s ``answers``)."""
-        if not any(a is d for o in self.outbox for a in o.answers):
+        if id(d) not in self._answering:
             d.ack()
 
     def flush(self) -> None:
         """Publish what ``send_soon`` / ``publish_soon`` queued, one batch per kind, in the order
         they were queued; then ack the deliveries they answer."""
+        try:
+            self._flush()
+        finally:  # what a failed publish left queued (normally nothing)
+            self._answering = {id(d) for o in self.outbox for d in o.answers}
+            self._uploads = sum(o.kind is Kind.UPDATE for o in self.outbox)
+            self.outbox_since = time.monotonic() if self.outbox else None
+
+    def _flush(self) -> None:
         if self.bundles_answers:
             self._bundle_answers()
         while self.outbox:
@@ -326,16 +347,24 @@ class ServiceBase:
 
     def _bundle_answers(self) -> None:
         """Put the devices' answers to the server in the outbox (``ready``, ``reject``,
-        ``eval_result``: ``ANSWER_KINDS``) into ``answers`` messages, one per
-        :data:`~shared.schemas.MAX_ANSWERS`, where the first of them was; one answer alone stays
-        as it is. Each carries the answered deliveries of its messages: acked once it is published,
-        dead-lettered ``unroutable`` if nobody took it, as each alone would have been."""
+        ``eval_result``: ``ANSWER_KINDS``) into ``answers`` messages of at most
+        :data:`~shared.schemas.MAX_ANSWERS` entries and half the largest message a service takes
+        (``processes.max_message_bytes``), where the first of them was. Each carries the answered
+        deliveries of its messages: acked once it is published, dead-lettered ``unroutable`` if
+        nobody took it, as each alone would have been."""
         picked = [o for o in self.outbox if o.key == KEY_SERVER and o.kind in ANSWER_KINDS]
-        if len(picked) < 2:
+        if not picked:
             return
+        chunks: list[list[_Outgoing]] = [[]]
+        size = 0
+        for o in picked:
+            if chunks[-1] and (len(chunks[-1]) == MAX_ANSWERS or size + len(o.data) > self.max_bytes // 2):
+                chunks.append([])
+                size = 0
+            chunks[-1].append(o)
+            size += len(o.data) + 5  # with its bin frame
         bundles = []
-        for i in range(0, len(picked), MAX_ANSWERS):
-            chunk = picked[i : i + MAX_ANSWERS]
+        for chunk in chunks:
             body = Answers(messages=[o.data for o in chunk])
             data = encode(Kind.ANSWERS, body, exp=self.experiment, round=0, sender="")
             answered = tuple(d for o in chunk for d in o.answers)

@@ -335,7 +335,8 @@ def test_a_hosts_answers_of_a_turn_go_in_one_message_with_the_same_model(
         "processes": {"clients": 2, "aggregators": 1},
     }
     bundled, _ = _run(tmp_path, "answers", "answers", **overrides)
-    assert {k for _, k, _ in sent} == {Kind.ANSWERS} and all(n > 1 for _, _, n in sent)
+    assert {k for _, k, _ in sent} == {Kind.ANSWERS}
+    assert len(sent) <= 2 * 3  # one per host and round: each host's readies of its ``tasks``
     entries = sum(n for _, _, n in sent)
     sent.clear()
     with monkeypatch.context() as m:

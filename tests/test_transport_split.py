@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from shared.transport import Delivery, split
 
 
@@ -54,3 +56,24 @@ def test_a_part_left_unsettled_keeps_the_message_unacked() -> None:
     for p in parts[:2]:
         p.ack()
     assert events == [] and not d.settled  # a crash now redelivers the whole message
+
+
+def test_a_client_flushes_its_answers_at_8_uploads_or_once_the_oldest_waited(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A host keeps a turn's answers (``ready``...) together, but not past 8 uploads, a full
+    ``answers``, or :data:`ANSWERS_WAIT_S`: the server decides at its deadline with the readies it
+    has, and a ready queued after a long training must not wait for the end of the turn."""
+    import services.client.service as client_module
+    from services.client.service import ANSWERS_WAIT_S, Client
+
+    now = [100.0]
+    monkeypatch.setattr(client_module.time, "monotonic", lambda: now[0])
+    host = object.__new__(Client)  # only the outbox's state matters here
+    host.outbox, host._uploads, host.outbox_since = [object()] * 30, 0, now[0]  # type: ignore[list-item]
+    assert not host.outbox_full()  # 30 readies of one turn: kept together
+    host._uploads = 8
+    assert host.outbox_full()
+    host._uploads = 0
+    now[0] += ANSWERS_WAIT_S
+    assert host.outbox_full()

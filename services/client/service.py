@@ -93,6 +93,10 @@ from shared.transport import (
     split,
 )
 
+#: the longest a queued answer (``ready``, ``reject``, ``eval_result``) waits for the turn's other
+#: answers before the outbox is flushed (``Client.outbox_full``)
+ANSWERS_WAIT_S = 0.5
+
 
 def per_device_bytes(exp: Experiment) -> int:
     """Memory one hosted device may keep resident: its share of the training data. An upper bound:
@@ -490,14 +494,18 @@ class Client(ServiceBase):
 
     def outbox_full(self) -> bool:
         """Flush once :data:`~services.common.OUTBOX_LIMIT` *uploads* wait (so the aggregators get
-        to work while the turn trains on), or a full ``answers`` of other messages does.
+        to work while the turn trains on), a full ``answers`` of other messages does, or the oldest
+        has waited :data:`ANSWERS_WAIT_S`.
 
         Why not 8 of anything, as other services: in a first-finishers round a host answers
-        ``ready`` for every device of its ``tasks`` before training any (``_defer``), and 8 at a
-        time made ~40 ``answers`` and broker commits a host and round at 10,000 devices instead of
-        one. Nothing waits on a ``ready`` but the server's decision, which waits for all of them."""
-        uploads = sum(o.kind is Kind.UPDATE for o in self.outbox)
-        return uploads >= OUTBOX_LIMIT or len(self.outbox) >= MAX_ANSWERS
+        ``ready`` for every device of its ``tasks`` before training any (``_defer``, FedAvg), and 8
+        at a time made ~40 ``answers`` and broker commits a host and round at 10,000 devices
+        instead of one. Why a time bound: an algorithm that must train before it knows its finish
+        time queues each ``ready`` after a training, and the server decides at its deadline with
+        the readies it has: they must not wait for the end of a long turn."""
+        since = self.outbox_since
+        waited = since is not None and time.monotonic() - since >= ANSWERS_WAIT_S
+        return self._uploads >= OUTBOX_LIMIT or len(self.outbox) >= MAX_ANSWERS or waited
 
     def on_tasks(self, env: Envelope, msg: Tasks, d: Delivery) -> None:
         """Every task of the message, in its order, as a lone ``task`` would be: each has a delivery
