@@ -435,7 +435,7 @@ def cpu_table(r: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _provenance() -> str:
+def _provenance(out: Path | None = None) -> str:
     """When, at which commit and on which CPU a run was made: the heading of an appended section.
 
     Why: round times and their ratios to the floor move with the machine (a host with AVX-512 trains
@@ -451,7 +451,7 @@ def _provenance() -> str:
     simd = "AVX-512" if " avx512f" in flags else "AVX2" if " avx2" in flags else "no AVX2"
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     machine = f"{_cpu_model()}, {simd}, {os.cpu_count()} cores"
-    return f"`make bench-scale`, {when}, main at {_git_commit()} ({machine})"
+    return f"`make bench-scale`, {when}, main at {_git_commit(out)} ({machine})"
 
 
 def main() -> int:
@@ -483,7 +483,7 @@ def main() -> int:
         command = " ".join(["python", "benchmarks/bench_scale.py", *sys.argv[1:]])
         block = f"Command: `{command}`\n\n{text}\n"
         if args.append and args.out.exists():
-            block = f"{args.out.read_text()}\n## {_provenance()}\n\n{block}"
+            block = f"{args.out.read_text()}\n## {_provenance(args.out)}\n\n{block}"
         args.out.write_text(block)
     print(text)
     return 0

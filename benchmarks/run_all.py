@@ -80,13 +80,19 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _git_commit() -> str:
-    """HEAD's short hash, and whether tracked files differ from it (read-only git plumbing)."""
+def _git_commit(ignore: Path | None = None) -> str:
+    """HEAD's short hash, and whether tracked files differ from it (read-only git plumbing).
+
+    ``ignore``: a file whose changes do not count, the report being appended to (a second run of
+    ``make bench-scale`` would otherwise call the code of the first "uncommitted changes")."""
     try:
         head = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
         ).stdout.strip()
-        dirty = subprocess.run(["git", "diff-index", "--quiet", "HEAD", "--"], cwd=REPO).returncode != 0
+        inside = ignore is not None and ignore.resolve().is_relative_to(REPO)
+        spec = [f":(exclude){ignore.resolve().relative_to(REPO)}"] if ignore is not None and inside else []
+        diff = subprocess.run(["git", "diff-index", "--quiet", "HEAD", "--", *spec], cwd=REPO)
+        dirty = diff.returncode != 0
     except (OSError, subprocess.CalledProcessError):
         return "unknown (not a git checkout)"
     return head + (" with uncommitted changes" if dirty else "")
