@@ -178,6 +178,29 @@ def test_availability_dropouts_and_over_selection(tmp_path: Path) -> None:
     assert [tuple(r[k] for k in key) for r in rows] == [tuple(r[k] for k in key) for r in read_rounds(run_b)]
 
 
+def _assert_same_run(a: Path, b: Path) -> None:
+    """Two runs of one experiment that differ only in how messages were batched: the same rounds,
+    the same bytes and emulated seconds per device, the same global model."""
+    import numpy as np
+
+    key = (
+        "selected",
+        "participants",
+        "dropped",
+        "virtual_seconds",
+        "accuracy",
+        "loss",
+        "bytes_down",
+        "bytes_up",
+    )
+    assert [tuple(r[k] for k in key) for r in read_rounds(a)] == [
+        tuple(r[k] for k in key) for r in read_rounds(b)
+    ]
+    assert _devices(a) == _devices(b)  # per device: the same bytes down and up, the same seconds
+    with np.load(a / "global_model.npz") as x, np.load(b / "global_model.npz") as y:
+        assert all(np.array_equal(x[k], y[k]) for k in x.files)
+
+
 def _tap_batches(
     monkeypatch: pytest.MonkeyPatch, lone: Kind, batch: Kind, entries: str
 ) -> list[tuple[str, Kind, int]]:
@@ -244,7 +267,6 @@ def test_each_host_gets_its_rounds_tasks_in_one_message_or_one_each_if_it_is_of_
     schema version (6: it has no ``tasks``) one ``task`` per device. Either way the same devices
     train, each is charged the same download bytes (a lone ``task``'s), and the run ends with the
     same model; with over-selection too (``ready`` answers a part of a ``tasks``, then ``gos``)."""
-    import numpy as np
 
     import services.server.fanout as fanout_module
     from shared.schemas import KIND_SINCE, PREVIOUS_VERSION
@@ -295,23 +317,8 @@ def test_each_host_gets_its_rounds_tasks_in_one_message_or_one_each_if_it_is_of_
     monkeypatch.setattr(PeerVersions, "version_for", hosts_of_the_previous_version)
     old_run, _ = _run(tmp_path, "task", "tasks", **overrides)
     assert {x[1] for x in sent} == {Kind.TASK} and len(sent) == selected
-    key = (
-        "selected",
-        "participants",
-        "dropped",
-        "virtual_seconds",
-        "accuracy",
-        "loss",
-        "bytes_down",
-        "bytes_up",
-    )
     for other in (chunked, old_run):
-        assert [tuple(r[k] for k in key) for r in read_rounds(new_run)] == [
-            tuple(r[k] for k in key) for r in read_rounds(other)
-        ]
-        assert _devices(new_run) == _devices(other)  # per device: the same bytes down and up
-        with np.load(new_run / "global_model.npz") as a, np.load(other / "global_model.npz") as b:
-            assert all(np.array_equal(a[k], b[k]) for k in a.files)
+        _assert_same_run(new_run, other)
 
 
 def test_a_hosts_answers_of_a_turn_go_in_one_message_with_the_same_model(
@@ -321,7 +328,6 @@ def test_a_hosts_answers_of_a_turn_go_in_one_message_with_the_same_model(
     as one ``answers`` message, each entry the lone message with its MAC, which the server checks
     and handles as if it had come alone. The run is the one the lone messages make; an entry that
     fails on the server (a bug, once) is dead-lettered alone and the others count."""
-    import numpy as np
 
     from services.common import ServiceBase
     from services.server.service import Server
@@ -343,22 +349,7 @@ def test_a_hosts_answers_of_a_turn_go_in_one_message_with_the_same_model(
         m.setattr(ServiceBase, "_bundle_answers", lambda self: None)
         lone, _ = _run(tmp_path, "lone-answers", "answers", **overrides)
     assert {k for _, k, _ in sent} == {Kind.READY} and len(sent) == entries > 8
-    key = (
-        "selected",
-        "participants",
-        "dropped",
-        "virtual_seconds",
-        "accuracy",
-        "loss",
-        "bytes_down",
-        "bytes_up",
-    )
-    assert [tuple(r[k] for k in key) for r in read_rounds(bundled)] == [
-        tuple(r[k] for k in key) for r in read_rounds(lone)
-    ]
-    assert _devices(bundled) == _devices(lone)
-    with np.load(bundled / "global_model.npz") as a, np.load(lone / "global_model.npz") as b:
-        assert all(np.array_equal(a[k], b[k]) for k in a.files)
+    _assert_same_run(bundled, lone)
 
     failed: list[int] = []
     real = Server.on_ready
