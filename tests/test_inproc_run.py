@@ -370,3 +370,77 @@ def test_only_updates_are_published_as_losable(tmp_path: Path, monkeypatch: pyte
     others = [(key, t) for key, t in seen if key != KEY_UPDATE]
     assert updates and all(updates)
     assert others and not any(t for _, t in others)
+
+
+def _partials_sent(monkeypatch: Any) -> list[tuple[int, int, int]]:
+    """Record every partial an aggregator sends as (round, updates in it, partials then awaiting a
+    decision)."""
+    from services.aggregator.service import Aggregator
+
+    sent: list[tuple[int, int, int]] = []
+    send = Aggregator._send
+
+    def recorded(self: Aggregator, batch: Any) -> None:
+        sent.append((self.round, len(batch.devices), len(self.pending)))
+        send(self, batch)
+
+    monkeypatch.setattr(Aggregator, "_send", recorded)
+    return sent
+
+
+def test_an_aggregator_sends_no_partial_while_one_awaits_its_decision(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """Issue 16: with ``prefetch - 1`` updates held, the aggregator sends them as a partial; the
+    updates the broker hands it before the server's decision wait for that decision (it frees
+    the window) instead of going out as a partial of one or two, which costs the server a whole
+    model's decode and merge. Here 12 devices a round, one aggregator, a window of 4: partials of
+    3 updates (the last may be smaller), every round complete, every update merged once."""
+    sent = _partials_sent(monkeypatch)
+    cfg = load_config(
+        write_config(
+            tmp_path / "c.yaml",
+            rounds=3,
+            num_devices=12,
+            devices_per_round=12,
+            quorum_fraction=1.0,
+            processes={"aggregators": 1, "clients": 2, "prefetch": 4},
+        )
+    )
+    cluster = InprocCluster(Experiment.build(cfg), tmp_path / "run", "held", aggregators=1, clients=2)
+    assert cluster.run(max_steps=200_000) == 0
+    assert [r["participants"] for r in cluster.server.rows] == [12, 12, 12]
+    assert [r["outcome"] for r in cluster.server.rows] == ["completed"] * 3
+    for rnd in (1, 2, 3):
+        sizes = [n for r, n, _ in sent if r == rnd]
+        assert sum(sizes) == 12, sent
+        assert all(n == 3 for n in sizes[:-1]), sent  # before: 3, 1, 2, 1, ... (a partial per decision wait)
+    assert all(waiting == 0 for _, _, waiting in sent), sent
+
+
+def test_an_aggregator_holding_every_update_of_the_round_sends_it_unasked(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """Issue 16: an aggregator that has reduced the update of every device selected for the round
+    sends its partial at once; nothing more can reach it, so waiting for the server's flush (a
+    round trip at the end of every round) buys nothing. With two aggregators sharing the updates
+    neither holds them all, and the flush asks for the rest."""
+    from services.server.service import Server
+
+    flushes: list[int] = []
+    start_flush = Server._start_flush
+
+    def counted(self: Server, rs: Any, now: float) -> None:
+        flushes.append(rs.number)
+        start_flush(self, rs, now)
+
+    monkeypatch.setattr(Server, "_start_flush", counted)
+    sent = _partials_sent(monkeypatch)
+    cfg = load_config(write_config(tmp_path / "c.yaml", rounds=3, processes={"aggregators": 1, "clients": 1}))
+    cluster = InprocCluster(Experiment.build(cfg), tmp_path / "run", "unasked", aggregators=1, clients=1)
+    assert cluster.run(max_steps=200_000) == 0
+    assert [r["participants"] for r in cluster.server.rows] == [4, 4, 4]
+    # one partial a round, of all four devices; the server found every receipted update merged
+    # when the last receipt came, so it finished each round without a flush
+    assert [(r, n) for r, n, _ in sent] == [(1, 4), (2, 4), (3, 4)]
+    assert flushes == []

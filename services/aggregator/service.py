@@ -7,7 +7,11 @@ partial containing it (``decision``): if this process dies first, the broker red
 another aggregator, which sends it on as a one-update ``singleton`` partial that the server can refuse
 if it already has it. That is what makes an aggregator crash count every update exactly once.
 
-Held acks are bounded: when ``prefetch - 1`` updates are held, the aggregator flushes on its own.
+Held acks are bounded: when ``prefetch - 1`` updates are held and no partial awaits its decision,
+the aggregator flushes on its own. While one does, the broker's window only fills up and the decision
+frees it: sending the one or two updates that arrived meanwhile as a partial of their own would cost
+the server a whole model's decode and merge for them (issue 16: in three rounds of the 10,000-device
+benchmark, 92 of the 188 partials held one update; at 50 devices per round, one partial in three).
 
 Bounds (``_bounded``) are checked here, after the sender and shape checks and before the update is
 reduced: once folded into a sum, one bad update can no longer be told apart or taken out, and the
@@ -230,6 +234,7 @@ class Aggregator(ServiceBase):
             reason = "duplicate" if msg.reason == "duplicate" else msg.reason or "refused"
             for delivery in batch.deliveries:
                 self.reject(delivery, reason, f"server refused partial {msg.seq}: {msg.reason}")
+        self._send_if_full()  # the window this batch held is free again
 
     def on_stop(self, env: Envelope, msg: Any, d: Delivery) -> None:
         d.ack()
@@ -276,8 +281,12 @@ class Aggregator(ServiceBase):
             self._reduce_into(self.batch, update, d)
             self.seen.add(msg.device_id)
             self._receipt(env, msg, d, update)
-            if self.held_updates() >= self.prefetch - 1:
+            if self.seen >= self.selected:
+                # every device of the round reached this aggregator: nothing more can come, so the
+                # partial goes now rather than when the server's flush asks for it (a round trip)
                 self._send_batch()
+            else:
+                self._send_if_full()
         metrics.UPDATES.labels(self.experiment, self.algorithm, self.service, "reduced").inc()
         metrics.AGGREGATION_SECONDS.labels(self.experiment, self.algorithm).observe(
             time.perf_counter() - started
@@ -369,6 +378,12 @@ class Aggregator(ServiceBase):
         batch.devices.append(update.device_id)
         batch.deliveries.append(d)
 
+    def _send_if_full(self) -> None:
+        """Send the batch when the held updates fill the prefetch window (all but one place), unless
+        a partial awaits its decision: that decision frees the window (``on_decision``)."""
+        if not self.pending and self.held_updates() >= self.prefetch - 1:
+            self._send_batch()
+
     def held_updates(self) -> int:
         """Updates whose acks wait for a decision (bounded by the prefetch)."""
         return len(self.batch.deliveries) + sum(len(b.deliveries) for b in self.pending.values())
@@ -406,7 +421,14 @@ class Aggregator(ServiceBase):
             self._send(batch)
 
     def _send(self, batch: _Batch) -> None:
-        self.flush()  # the receipts of these updates reach the server before their partial
+        """The batch as a partial, then the turn's receipts (its updates' among them).
+
+        Why the partial first: the server finishes a round once every selected device is accounted
+        for and every receipted update merged. Receipts first, the last ones would find their
+        partial still on its way and start a flush (a round trip to every aggregator) that the
+        partial then makes moot. The order costs nothing in safety: the updates are acked only on
+        the partial's decision, which this process handles after both went out, so a crash before
+        that redelivers them and another aggregator receipts them again."""
         self.seq += 1
         self.pending[self.seq] = batch
         tensors, scalars = batch.partial.to_wire()
@@ -427,6 +449,7 @@ class Aggregator(ServiceBase):
             dense_bytes=dense,
             known=self.round_layouts,
         )
+        self.flush()
 
 
 def _values(t: codec.Tensor) -> np.ndarray:

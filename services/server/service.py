@@ -505,7 +505,13 @@ class Server(ServiceBase):
         if now - rs.last_announced >= ROUND_OPEN_REPEAT_S:
             self._announce(rs, now)
         if rs.all_accounted():
-            self._start_flush(rs, now)
+            if rs.all_covered():
+                # every receipted update is already merged (an aggregator that held them all sent
+                # its partial unasked, ahead of its receipts; or the last answers were refusals):
+                # a flush would only cost the round a round trip
+                self._finalize("completed" if rs.covered else "below-quorum")
+            else:
+                self._start_flush(rs, now)
         elif now >= rs.deadline:
             quorum = rs.quorum(self.cfg.devices_per_round, self.cfg.quorum_fraction)
             if rs.receipts and len(rs.receipts) >= quorum:
