@@ -174,6 +174,8 @@ class Server(ServiceBase):
         transport.declare_queue(transport.names.server_queue, [KEY_SERVER, KEY_JOIN])
         transport.declare_queue(transport.names.updates_queue, [KEY_UPDATE])
         handlers = self._handlers()
+        #: what an entry of an ``answers`` may be, built once rather than per message
+        self._answer_handlers = {kind: handlers[kind] for kind in ANSWER_KINDS}
         transport.consume(transport.names.server_queue, lambda d: self.dispatch(d, handlers), prefetch=64)
         self._create_series()
         self.log.info(
@@ -202,10 +204,8 @@ class Server(ServiceBase):
         gets (its kind among ``ANSWER_KINDS``, its sender's role, its MAC), on a delivery of its own
         (``split``): one that fails is dead-lettered alone; the ``answers`` is acked once all are
         settled."""
-        handlers = self._handlers()
-        only = {kind: handlers[kind] for kind in ANSWER_KINDS}
         for part in split(d, msg.messages):
-            self.dispatch(part, only, entry=True)
+            self.dispatch(part, self._answer_handlers, entry=True)
 
     def _create_series(self) -> None:
         """Create the labelled series now: a histogram appears only at its first observation, and a
