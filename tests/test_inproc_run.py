@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -96,8 +97,14 @@ def _cluster(cfg_path: Path, run: Path, exp_id: str) -> InprocCluster:
     return InprocCluster(exp, run, exp_id, aggregators=2, clients=1, state_dir=run / "state")
 
 
+#: more devices a round than an aggregator's window (``prefetch`` 8): the first aggregator cannot
+#: hold every update of a round (it would send its partial unasked), so when it crashes it holds
+#: updates in a partial sent but not decided and updates in no partial yet, and both must count once
+WIDE = {"num_devices": 12, "devices_per_round": 10}
+
+
 def test_aggregator_crash_counts_every_update_once(tmp_path: Path) -> None:
-    cfg = write_config(tmp_path / "c.yaml", rounds=3)
+    cfg = write_config(tmp_path / "c.yaml", rounds=3, **WIDE)
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     reference = _cluster(cfg, tmp_path / "a", "clean")
@@ -107,16 +114,19 @@ def test_aggregator_crash_counts_every_update_once(tmp_path: Path) -> None:
     cluster = _cluster(cfg, tmp_path / "b", "crash")
     faulty = cluster.server
     agg0 = cluster.aggregators[0]
-    crashed: list[int] = []
+    crashed: list[tuple[int, int]] = []
 
     def crash_when_holding() -> None:
-        # Crash agg-0 the first time it holds updates whose partial the server has not accepted.
-        if not crashed and faulty.round == 2 and agg0.held_updates() >= 1:
-            crashed.append(agg0.held_updates())
+        # Crash agg-0 the first time it holds round-2 updates whose partial the server has not
+        # accepted (not round 1's last partial, whose decision may still be on its way).
+        if not crashed and agg0.round == 2 and agg0.seen and agg0.held_updates() >= 1:
+            crashed.append((agg0.held_updates(), len(agg0.batch.deliveries)))
             cluster.crash(agg0)
 
     cluster.run(on_step=crash_when_holding, max_steps=200_000)
     assert crashed, "the crash never happened"
+    held, unsent = crashed[0]
+    assert held > unsent >= 1, crashed  # some in a partial awaiting its decision, some in none yet
     assert len(cluster.aggregators) == 1 and cluster.aggregators[0] is not agg0
     for name, arr in clean.state.arrays.items():
         np.testing.assert_allclose(faulty.state.arrays[name], arr, atol=1e-6, rtol=0)
@@ -173,7 +183,7 @@ def test_aggregator_started_after_the_round_opened_joins_it(tmp_path: Path, monk
     import services.server.service as server_service
 
     monkeypatch.setattr(server_service, "ROUND_OPEN_REPEAT_S", 0.0)  # repeat on every tick
-    cfg = write_config(tmp_path / "c.yaml", rounds=2)
+    cfg = write_config(tmp_path / "c.yaml", rounds=2, **WIDE)
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     clean_cluster = _cluster(cfg, tmp_path / "a", "clean")
@@ -191,11 +201,14 @@ def test_aggregator_started_after_the_round_opened_joins_it(tmp_path: Path, monk
             cluster.add_aggregator("agg-late")
             events.append("late")
         if events == ["late"] and holder.held_updates() >= 1:
+            unsent.append(len(holder.batch.deliveries))
             cluster.crash(holder)
             events.append("crash")
 
+    unsent: list[int] = []
     cluster.run(on_step=late_start_then_crash, max_steps=200_000)
     assert events == ["late", "crash"], events
+    assert unsent[0] >= 1  # the newcomer had updates no partial brought to aggregate
     for name, arr in clean.state.arrays.items():
         np.testing.assert_allclose(faulty.state.arrays[name], arr, atol=1e-6, rtol=0)
     assert [r["participants"] for r in faulty.rows] == [r["participants"] for r in clean.rows]
@@ -415,7 +428,9 @@ def test_an_aggregator_sends_no_partial_while_one_awaits_its_decision(
         sizes = [n for r, n, _ in sent if r == rnd]
         assert sum(sizes) == 12, sent
         assert all(n == 3 for n in sizes[:-1]), sent  # before: 3, 1, 2, 1, ... (a partial per decision wait)
-    assert all(waiting == 0 for _, _, waiting in sent), sent
+        # only the round's last partial (all devices in, or the server's flush) may go while
+        # another awaits its decision
+        assert all(w == 0 for w in [w for r, _, w in sent if r == rnd][:-1]), sent
 
 
 def test_an_aggregator_holding_every_update_of_the_round_sends_it_unasked(
@@ -423,8 +438,7 @@ def test_an_aggregator_holding_every_update_of_the_round_sends_it_unasked(
 ) -> None:
     """Issue 16: an aggregator that has reduced the update of every device selected for the round
     sends its partial at once; nothing more can reach it, so waiting for the server's flush (a
-    round trip at the end of every round) buys nothing. With two aggregators sharing the updates
-    neither holds them all, and the flush asks for the rest."""
+    round trip at the end of every round) buys nothing."""
     from services.server.service import Server
 
     flushes: list[int] = []
@@ -444,3 +458,45 @@ def test_an_aggregator_holding_every_update_of_the_round_sends_it_unasked(
     # when the last receipt came, so it finished each round without a flush
     assert [(r, n) for r, n, _ in sent] == [(1, 4), (2, 4), (3, 4)]
     assert flushes == []
+
+
+def test_a_merged_update_whose_receipt_is_late_still_counts_with_its_bytes(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """An aggregator sends a partial ahead of its updates' receipts, so the server can hold merged
+    updates without their receipts for a moment. Here the receipts are held back past the round's
+    deadline: the merged updates count toward the quorum (the round flushes instead of ending
+    ``below-quorum`` and throwing them away), and the round ends only once their receipts are in,
+    with every device's bytes — the same rows as a run whose receipts were never late."""
+    from services.aggregator.service import Aggregator
+
+    overrides: dict[str, Any] = {"rounds": 2, "round_timeout_s": 1.0, "processes": {"aggregators": 1}}
+    cfg = load_config(write_config(tmp_path / "c.yaml", **overrides))
+    clean = InprocCluster(Experiment.build(cfg), tmp_path / "clean", "clean", aggregators=1, clients=1)
+    assert clean.run(max_steps=200_000) == 0
+
+    late = InprocCluster(Experiment.build(cfg), tmp_path / "late", "late", aggregators=1, clients=1)
+    flush = Aggregator.flush
+    held_back: list[int] = []
+
+    def late_receipts(self: Aggregator) -> None:
+        rs = late.server.rs
+        if self.receipts and rs is not None and time.time() < rs.deadline + 0.2:
+            held_back.append(rs.number)  # the partial went; its receipts wait past the deadline
+            return
+        flush(self)
+
+    monkeypatch.setattr(Aggregator, "flush", late_receipts)
+    assert late.run(max_steps=2_000_000) == 0
+    assert set(held_back) == {1, 2}
+    keep = ("round", "outcome", "participants", "bytes_up", "dense_bytes_up", "accuracy")
+    assert [{k: r[k] for k in keep} for r in late.server.rows] == [
+        {k: r[k] for k in keep} for r in clean.server.rows
+    ]
+    assert [r["outcome"] for r in late.server.rows] == ["completed", "completed"]
+    columns = ("device_id", "completed", "bytes_up", "virtual_seconds")
+
+    def devices(run: Path) -> list[dict[str, str]]:
+        return [{k: d[k] for k in columns} for d in csv.DictReader((run / "devices.csv").open())]
+
+    assert devices(tmp_path / "late") == devices(tmp_path / "clean")

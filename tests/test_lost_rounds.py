@@ -344,3 +344,18 @@ def test_updates_a_broker_restart_loses_leave_their_devices_silent(
         assert row["outcome"] == "completed"
         assert row["participants"] == clean2["participants"] - 1
         assert row["dropped"] == clean2["dropped"] + 1
+
+
+def test_a_merged_update_without_its_receipt_is_not_settled_but_answers() -> None:
+    """A partial goes ahead of its updates' receipts: merged but not yet receipted, a device keeps
+    the round from being settled (its receipt carries its bytes), yet it has answered (quorum)."""
+    rs = _round([1, 2, 3])
+    rs.covered.update({1, 2})
+    assert not rs.settled() and rs.answering() == 2
+    rs.receipt(_receipt(1))
+    rs.receipt(_receipt(2))
+    assert rs.settled() and rs.answering() == 2
+    rs.receipt(_receipt(3))  # receipted, its partial not merged yet
+    assert not rs.settled() and rs.answering() == 3
+    rs.covered.add(3)
+    assert rs.settled()

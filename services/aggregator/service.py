@@ -390,8 +390,9 @@ class Aggregator(ServiceBase):
 
     def _receipt(self, env: Envelope, msg: Update, d: Delivery, update: UpdateSpec) -> None:
         # held for the turn's ``Receipts``, not confirmed one by one: the update it reports is acked
-        # only once its partial is decided, after the receipts went out (``_send`` flushes first),
-        # so a crash in between redelivers the update and it is receipted again
+        # only once its partial is decided, after the receipts went out (``_send`` flushes them
+        # right after the partial), so a crash in between redelivers the update and it is
+        # receipted again
         self.receipts.setdefault((env.round, env.inc), []).append(
             Receipt(
                 device_id=msg.device_id,
@@ -426,9 +427,12 @@ class Aggregator(ServiceBase):
         Why the partial first: the server finishes a round once every selected device is accounted
         for and every receipted update merged. Receipts first, the last ones would find their
         partial still on its way and start a flush (a round trip to every aggregator) that the
-        partial then makes moot. The order costs nothing in safety: the updates are acked only on
-        the partial's decision, which this process handles after both went out, so a crash before
-        that redelivers them and another aggregator receipts them again."""
+        partial then makes moot. For the moment between the two, the server holds merged updates
+        without their receipts, and waits for them before it finishes the round
+        (``RoundState.settled``): the receipt carries the device's bytes, timings and metrics. The
+        updates are acked only on the partial's decision, which this process handles after both
+        went out, so a crash in between redelivers them, and another aggregator receipts them
+        again (its singleton partial is refused as a duplicate)."""
         self.seq += 1
         self.pending[self.seq] = batch
         tensors, scalars = batch.partial.to_wire()

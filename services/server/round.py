@@ -9,8 +9,15 @@ the next one, and "what happens when an update arrives" is answered here, in one
 2. the aggregator later sends the **partial** holding it; :meth:`RoundState.decide_partial` says
    whether the server may merge it (every device in it selected, none already covered);
 3. when every selected device is accounted for (receipt, refusal, dropout, unreachable, discarded),
-   or the deadline passes with a quorum, the server flushes; the round is complete once every
-   receipted device is *covered* by exactly one merged partial.
+   or the deadline passes with a quorum, the server flushes, unless the round is already
+   :meth:`~RoundState.settled`; the round is complete once every receipted device is *covered* by
+   exactly one merged partial and every covered device's receipt has arrived.
+
+An aggregator sends a partial *ahead* of its updates' receipts (so that the last receipt finds its
+update merged and the round ends without a flush round trip); for a moment, then, a device can be
+covered without a receipt. The round waits for that receipt (:meth:`RoundState.settled`), which
+carries the device's bytes, timings and metrics: a round is never finalized with a merged update
+whose receipt is still in flight, except at the flush deadline.
 
 A round that ends with nothing merged is either ``below-quorum`` (the fleet, as emulated, could not
 deliver: refusals, dropouts, the emulated deadline) or ``lost`` (the broker lost it:
@@ -145,9 +152,14 @@ class RoundState:
         """Every selected device has a receipt or will never send one."""
         return set(self.receipts) | self.silent() >= self._selected_set
 
-    def all_covered(self) -> bool:
-        """Every receipted update is inside a merged partial."""
-        return self.covered >= set(self.receipts)
+    def settled(self) -> bool:
+        """Every receipted update is merged and every merged update's receipt has arrived (it
+        follows its partial: see the module docstring)."""
+        return self.covered == set(self.receipts)
+
+    def answering(self) -> int:
+        """Selected devices whose update reached an aggregator: receipted or already merged."""
+        return len(set(self.receipts) | self.covered)
 
     def quorum(self, devices_per_round: int, fraction: float) -> int:
         target = min(devices_per_round, len(self.selected))

@@ -451,7 +451,8 @@ class Server(ServiceBase):
             if rs is None or self.phase not in (Phase.OPEN, Phase.FLUSHING, Phase.REPEATING):
                 continue
             for dev in sorted(host.devices):
-                if rs.is_selected(dev) and dev not in rs.receipts:
+                # a merged update's receipt may still be on its way (it follows its partial)
+                if rs.is_selected(dev) and dev not in rs.receipts and dev not in rs.covered:
                     rs.discarded.setdefault(dev, "host-lost")
 
     def _tick_registering(self, now: float) -> None:
@@ -505,7 +506,7 @@ class Server(ServiceBase):
         if now - rs.last_announced >= ROUND_OPEN_REPEAT_S:
             self._announce(rs, now)
         if rs.all_accounted():
-            if rs.all_covered():
+            if rs.settled():
                 # every receipted update is already merged (an aggregator that held them all sent
                 # its partial unasked, ahead of its receipts; or the last answers were refusals):
                 # a flush would only cost the round a round trip
@@ -514,7 +515,8 @@ class Server(ServiceBase):
                 self._start_flush(rs, now)
         elif now >= rs.deadline:
             quorum = rs.quorum(self.cfg.devices_per_round, self.cfg.quorum_fraction)
-            if rs.receipts and len(rs.receipts) >= quorum:
+            # a merged update whose receipt is still on its way counts: its partial went first
+            if rs.answering() and rs.answering() >= quorum:
                 self._start_flush(rs, now)
             else:
                 self._finalize("below-quorum")
@@ -522,16 +524,19 @@ class Server(ServiceBase):
     def _tick_flushing(self, now: float) -> None:
         rs = self.rs
         assert rs is not None
-        if rs.all_covered():
+        if rs.settled():
             # a round nobody contributed to (every selected device unreachable) is no success
             self._finalize("completed" if rs.covered else "below-quorum")
         elif now >= rs.flush_deadline:
             lost = sorted(set(rs.receipts) - rs.covered)
-            rs.flush_timed_out = True
+            rs.flush_timed_out = bool(lost)
             self.log.error(
-                "flush timed out; %d receipted updates never arrived in a partial: %s",
+                "flush timed out; %d receipted updates never arrived in a partial: %s; "
+                "%d merged updates' receipts never arrived: %s",
                 len(lost),
                 lost[:10],
+                len(rs.covered - set(rs.receipts)),
+                sorted(rs.covered - set(rs.receipts))[:10],
                 extra={"event": "flush_timeout"},
             )
             self._finalize("completed" if rs.covered else "below-quorum")
