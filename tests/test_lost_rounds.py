@@ -359,3 +359,17 @@ def test_a_merged_update_without_its_receipt_is_not_settled_but_answers() -> Non
     assert not rs.settled() and rs.answering() == 3
     rs.covered.add(3)
     assert rs.settled()
+
+
+def test_a_repeat_takes_a_lost_attempts_receipts_for_what_an_aggregator_still_merges() -> None:
+    """An aggregator that outlived a lost attempt still holds the updates it receipted then, and
+    merges them in the repeat without receipting them again (their new uploads are duplicates to
+    it): the repeat is settled by the earlier receipts, not held until the flush deadline."""
+    rs = _round([1, 2])
+    rs.receipt(_receipt(1))
+    repeat = _round([1, 2])
+    repeat.earlier_receipts = frozenset(rs.receipts)
+    repeat.covered.update({1, 2})
+    assert not repeat.settled()  # device 2: merged, its receipt not in yet
+    repeat.receipt(_receipt(2))
+    assert repeat.settled()

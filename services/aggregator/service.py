@@ -425,14 +425,14 @@ class Aggregator(ServiceBase):
         """The batch as a partial, then the turn's receipts (its updates' among them).
 
         Why the partial first: the server finishes a round once every selected device is accounted
-        for and every receipted update merged. Receipts first, the last ones would find their
-        partial still on its way and start a flush (a round trip to every aggregator) that the
-        partial then makes moot. For the moment between the two, the server holds merged updates
-        without their receipts, and waits for them before it finishes the round
-        (``RoundState.settled``): the receipt carries the device's bytes, timings and metrics. The
-        updates are acked only on the partial's decision, which this process handles after both
-        went out, so a crash in between redelivers them, and another aggregator receipts them
-        again (its singleton partial is refused as a duplicate)."""
+        for, every receipted update merged and every merged update receipted. Receipts first, the
+        last ones would find their partial still on its way and start a flush (a round trip to
+        every aggregator) that the partial then makes moot. For the moment between the two, the
+        server holds merged updates without their receipts, and waits for them before it finishes
+        the round (``RoundState.settled``): the receipt carries the device's bytes, timings and
+        metrics. The updates are acked only on the partial's decision, which this process handles
+        after both went out, so a crash in between redelivers them, and another aggregator
+        receipts them again (its singleton partial is refused as a duplicate)."""
         self.seq += 1
         self.pending[self.seq] = batch
         tensors, scalars = batch.partial.to_wire()

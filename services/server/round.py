@@ -6,12 +6,13 @@ the next one, and "what happens when an update arrives" is answered here, in one
 
 1. the device's update reaches an aggregator, which validates and reduces it and sends a **receipt**
    (:meth:`RoundState.receipt`): the device is now *accounted for*;
-2. the aggregator later sends the **partial** holding it; :meth:`RoundState.decide_partial` says
-   whether the server may merge it (every device in it selected, none already covered);
-3. when every selected device is accounted for (receipt, refusal, dropout, unreachable, discarded),
-   or the deadline passes with a quorum, the server flushes, unless the round is already
-   :meth:`~RoundState.settled`; the round is complete once every receipted device is *covered* by
-   exactly one merged partial and every covered device's receipt has arrived.
+2. the aggregator sends the **partial** holding it, just before that receipt or later;
+   :meth:`RoundState.decide_partial` says whether the server may merge it (every device in it
+   selected, none already covered);
+3. when every selected device is accounted for (receipt, refusal, dropout, unreachable, discarded)
+   the round is complete if it is :meth:`~RoundState.settled` (every receipted device *covered* by
+   exactly one merged partial, every covered device's receipt arrived); if not, or when the
+   deadline passes with a quorum, the server flushes, and the round is complete once settled.
 
 An aggregator sends a partial *ahead* of its updates' receipts (so that the last receipt finds its
 update merged and the round ends without a flush round trip); for a moment, then, a device can be
@@ -47,7 +48,7 @@ class Phase(StrEnum):
     WAITING = "waiting"
     #: tasks sent; receipts, refusals and readies arrive
     OPEN = "open"
-    #: asked the aggregators for their partials; merging until every receipt is covered
+    #: asked the aggregators for their partials; merging until the round is settled
     FLUSHING = "flushing"
     #: between a finalized round and the next one (only inside ``_finalize``)
     BETWEEN = "between"
@@ -109,6 +110,10 @@ class RoundState:
     resume_at: float = 0.0
     #: the flush deadline passed with receipted updates no partial brought
     flush_timed_out: bool = False
+    #: devices receipted in an earlier, lost attempt of this round: an aggregator still holding
+    #: their updates merges them in this attempt without receipting them again (their bytes are in
+    #: the lost attempt's row)
+    earlier_receipts: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         self._selected_set = frozenset(self.selected)
@@ -154,8 +159,9 @@ class RoundState:
 
     def settled(self) -> bool:
         """Every receipted update is merged and every merged update's receipt has arrived (it
-        follows its partial: see the module docstring)."""
-        return self.covered == set(self.receipts)
+        follows its partial: see the module docstring), in this attempt or a lost one."""
+        receipted = set(self.receipts)
+        return receipted <= self.covered and self.covered <= receipted | self.earlier_receipts
 
     def answering(self) -> int:
         """Selected devices whose update reached an aggregator: receipted or already merged."""

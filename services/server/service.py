@@ -4,10 +4,13 @@ A round, as a state machine (:class:`~services.server.round.Phase`) driven by me
 
 ``registering`` → (enough devices) → ``open``: select devices, tell the aggregators which devices may
 answer (``round_open``), send each device its task. Receipts (from aggregators) and refusals (from
-devices) arrive. When every selected device is accounted for — or the deadline passes with at least
-the quorum — → ``flushing``: ask the aggregators for their partials and merge them, until every
-receipted device is covered by exactly one accepted partial → finalize with the strategy, evaluate,
-record, checkpoint → next round, or ``done`` (broadcast ``stop``).
+devices) arrive; partials may too (an aggregator sends one when its window is full or it holds
+every selected device's update, ahead of their receipts). When every selected device is accounted
+for and the round is settled (every receipted device covered by exactly one accepted partial, every
+covered device receipted) → finalize; when it is accounted for but not settled, or the deadline
+passes with at least the quorum (receipted or merged) → ``flushing``: ask the aggregators for their
+partials and merge them until the round is settled → finalize with the strategy, evaluate, record,
+checkpoint → next round, or ``done`` (broadcast ``stop``).
 
 Where things live: the open round's bookkeeping, and what happens when an update arrives, is
 :class:`~services.server.round.RoundState` (one object per round); every reported number is the
@@ -341,7 +344,7 @@ class Server(ServiceBase):
         """An aggregator dead-lettered the device's update as out of bounds: the device has answered,
         with nothing to merge — counted as a refusal with the aggregator's reason."""
         dev = msg.device_id
-        if not rs.is_selected(dev) or dev in rs.receipts or dev in rs.rejects:
+        if not rs.is_selected(dev) or dev in rs.receipts or dev in rs.rejects or dev in rs.covered:
             return
         rs.rejects[dev] = Reject(device_id=dev, reason=msg.refused, detail="update out of bounds")
         self.log.warning(
@@ -507,16 +510,16 @@ class Server(ServiceBase):
             self._announce(rs, now)
         if rs.all_accounted():
             if rs.settled():
-                # every receipted update is already merged (an aggregator that held them all sent
-                # its partial unasked, ahead of its receipts; or the last answers were refusals):
-                # a flush would only cost the round a round trip
+                # every receipted update is already merged and every merged one receipted (an
+                # aggregator that held them all sent its partial unasked, ahead of its receipts;
+                # or the last answers were refusals): a flush would only cost a round trip
                 self._finalize("completed" if rs.covered else "below-quorum")
             else:
                 self._start_flush(rs, now)
         elif now >= rs.deadline:
             quorum = rs.quorum(self.cfg.devices_per_round, self.cfg.quorum_fraction)
             # a merged update whose receipt is still on its way counts: its partial went first
-            if rs.answering() and rs.answering() >= quorum:
+            if rs.answering() >= quorum:
                 self._start_flush(rs, now)
             else:
                 self._finalize("below-quorum")
@@ -675,7 +678,7 @@ class Server(ServiceBase):
         metrics.ROUND_STARTED.labels(*labels).set(now)
         metrics.ROUND_DEADLINE.labels(*labels).set(rs.deadline)
         self.ledger.selected(rs)
-        silent = set(rs.selected) - rs.answered()
+        silent = set(rs.selected) - rs.answered() - rs.covered  # merged: its receipt is on its way
         for dev in silent:  # sent again, maybe to another host: not written off before it can answer
             rs.unreachable.discard(dev)
             if rs.discarded.get(dev) == "host-lost":
@@ -964,6 +967,7 @@ class Server(ServiceBase):
             announcement=rs.announcement,
             last_announced=now,
             tasks=rs.tasks,
+            earlier_receipts=rs.earlier_receipts | set(rs.receipts),
             attempt=rs.attempt + 1,
             faults_mark=self.transport.faults,
             first_lost=first_lost,
