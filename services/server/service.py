@@ -532,14 +532,15 @@ class Server(ServiceBase):
             self._finalize("completed" if rs.covered else "below-quorum")
         elif now >= rs.flush_deadline:
             lost = sorted(set(rs.receipts) - rs.covered)
+            unreceipted = sorted(rs.covered - set(rs.receipts) - rs.earlier_receipts)
             rs.flush_timed_out = bool(lost)
             self.log.error(
                 "flush timed out; %d receipted updates never arrived in a partial: %s; "
                 "%d merged updates' receipts never arrived: %s",
                 len(lost),
                 lost[:10],
-                len(rs.covered - set(rs.receipts)),
-                sorted(rs.covered - set(rs.receipts))[:10],
+                len(unreceipted),
+                unreceipted[:10],
                 extra={"event": "flush_timeout"},
             )
             self._finalize("completed" if rs.covered else "below-quorum")
