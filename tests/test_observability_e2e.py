@@ -301,10 +301,22 @@ def observed(broker_url: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
         server = cluster.start("server", ["server", "--run-dir", str(cluster.run_dir)], targets["server"])
         for agg in ("agg-0", "agg-1"):
             cluster.start(agg, ["aggregator", "--id", agg], targets[agg])
+        # rate() needs two scrapes that differ, and five rounds of eight devices take about half a
+        # second: a histogram whose first scrape came after the rounds reads one constant value and
+        # its quantile panel stays empty (CI at 3c1bc5b: round duration and aggregation time, when the
+        # clients registered while the server was still starting). So the rounds wait for Prometheus
+        # to have read the empty series: the server's and aggregators' before any client starts, and
+        # the first client's before the second one completes the registration that opens round 1.
+        _wait_scraped(f'fedfleet_round_duration_seconds_count{{experiment="{exp}"}}', 1, cluster, prom, start)
+        _wait_scraped(f'fedfleet_aggregation_seconds_count{{experiment="{exp}"}}', 2, cluster, prom, start)
         for name, hosted in clients.items():
             cluster.start(
                 name, ["client", "--id", name, "--devices", hosted, "--state-dir", state], targets[name]
             )
+            if name == "c0":
+                _wait_scraped(
+                    f'fedfleet_client_train_seconds_count{{experiment="{exp}"}}', 1, cluster, prom, start
+                )
         _wait(lambda: '"round_open"' in server.text(), "round 1 to open", cluster, prom, alive=cluster.procs)
         _publish_garbage(cluster)
 
@@ -363,6 +375,17 @@ def observed(broker_url: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
         cluster.cleanup_broker()
         prom.stop()
         shutil.rmtree(prom_dir / "tsdb", ignore_errors=True)
+
+
+def _wait_scraped(expr: str, series: int, cluster: Cluster, prom: Prometheus, start: float) -> None:
+    """Wait until Prometheus holds a zero sample of ``series`` series matching ``expr`` (the series the
+    services create empty at start-up), with every log if a service exits first."""
+
+    def scraped() -> bool:
+        found = prom.query_range(expr, start, time.time())
+        return sum(any(float(v) == 0 for _, v in s["values"]) for s in found) >= series
+
+    _wait(scraped, f"Prometheus to scrape {expr} at zero", cluster, prom, alive=cluster.procs)
 
 
 def _publish_garbage(cluster: Cluster) -> None:
