@@ -34,3 +34,27 @@ def test_wait_for_scrape_returns_once_a_scrape_read_the_counters_after_the_work(
     stop = threading.Event()
     stop.set()
     assert metrics.wait_for_scrape(time.time() + 1, timeout=30, stop=stop) is False
+
+
+def test_a_scrape_that_overran_its_timeout_is_not_taken_as_read() -> None:
+    """Prometheus drops a scrape that overran the timeout it states in
+    ``X-Prometheus-Scrape-Timeout-Seconds``: such a page must not let a lingering service exit as if
+    its final counts had landed. The next scrape that fits (or one without the header) counts."""
+    port = free_ports(1)[0]
+    metrics.serve(port, addr="127.0.0.1")
+    finished = time.time()
+
+    def scrape(timeout_header: str | None) -> None:
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics")
+        if timeout_header is not None:
+            req.add_header("X-Prometheus-Scrape-Timeout-Seconds", timeout_header)
+        with urllib.request.urlopen(req, timeout=5) as r:
+            assert b"fedfleet_wire_bytes_total" in r.read()
+
+    scrape("0.000000001")  # no page is served within a nanosecond: Prometheus gave up on it
+    assert metrics.wait_for_scrape(finished, timeout=0.3) is False
+    scrape("not a number")  # not Prometheus's header: counted as a plain scrape
+    assert metrics.wait_for_scrape(finished, timeout=5) is True
+    later = time.time()
+    scrape("10")  # well within its timeout
+    assert metrics.wait_for_scrape(later, timeout=5) is True

@@ -531,7 +531,9 @@ class Settings(BaseSettings):
     #: the level of the JSON log lines every service writes to stderr (``DEBUG``, ``INFO``, ...)
     log_level: str = "INFO"
     #: after its work a service waits until Prometheus has scraped its final counts, at most this many
-    #: seconds (0: exits at once). Set it above the scrape interval wherever Prometheus scrapes.
+    #: seconds (0: exits at once). Set it above the scrape interval wherever Prometheus scrapes. A
+    #: scrape answered in more than half the timeout Prometheus states does not count: Prometheus may
+    #: have dropped it.
     linger_s: float = 0.0
     #: what a client host does when the experiment ends: ``exit`` (0), or ``idle`` (stay up doing
     #: nothing: a Kubernetes Deployment would restart a pod that exits)

@@ -12,6 +12,7 @@ Units are in the names (``_bytes_total``, ``_seconds``) as Prometheus convention
 from __future__ import annotations
 
 import errno
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -269,22 +270,45 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
+#: the share of Prometheus's scrape timeout within which a served page counts as read: Prometheus
+#: starts its clock before the request reaches this process and stops it after the last byte reaches
+#: it, so a page served in more than this share of the timeout may have been dropped unread
+SCRAPE_TIMEOUT_SHARE = 0.5
+
+
 class _Served:
     """A response body that records its scrape once the server has written all of it (WSGI servers
     call ``close`` after the last byte): a service that exits as soon as it was scraped must not cut
-    its last page short."""
+    its last page short.
 
-    def __init__(self, body: Iterable[bytes], began: float) -> None:
-        self.body, self.began = body, began
+    A page that took longer than ``SCRAPE_TIMEOUT_SHARE`` of the scrape timeout Prometheus sent
+    (``X-Prometheus-Scrape-Timeout-Seconds``) is not recorded. Why: Prometheus discards a scrape that
+    overran its timeout, so the service, believing its final counts read, would exit and they would
+    never land (a busy 2-core machine easily takes 200 ms to answer). The next scrape counts instead.
+    """
+
+    def __init__(self, body: Iterable[bytes], began: float, timeout_s: float | None) -> None:
+        self.body, self.began, self.timeout_s = body, began, timeout_s
 
     def __iter__(self) -> Any:
         return iter(self.body)
 
     def close(self) -> None:
         global _last_scrape
+        if self.timeout_s is not None and time.time() - self.began > SCRAPE_TIMEOUT_SHARE * self.timeout_s:
+            return
         with _scraped:
             _last_scrape = max(_last_scrape, self.began)
             _scraped.notify_all()
+
+
+def _scrape_timeout(environ: dict[str, Any]) -> float | None:
+    """The scrape timeout a Prometheus request states (seconds), None from anyone else."""
+    try:
+        timeout = float(environ.get("HTTP_X_PROMETHEUS_SCRAPE_TIMEOUT_SECONDS", ""))
+    except ValueError:
+        return None
+    return timeout if timeout > 0 and math.isfinite(timeout) else None
 
 
 def _recording_app(registry: CollectorRegistry) -> Callable[..., Iterable[bytes]]:
@@ -293,7 +317,8 @@ def _recording_app(registry: CollectorRegistry) -> Callable[..., Iterable[bytes]
 
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         began = time.time()
-        return _Served(inner(environ, start_response), began)  # the counters are read here, whole
+        # the counters are read here, whole
+        return _Served(inner(environ, start_response), began, _scrape_timeout(environ))
 
     return app
 
