@@ -41,13 +41,24 @@ for path in (str(REPO), str(BENCH_DIR)):  # the bench modules, and `shared` from
 import bench_broker  # noqa: E402
 import bench_checkpoint  # noqa: E402
 import bench_codec  # noqa: E402
+import bench_dead_letters  # noqa: E402
 import bench_envelope  # noqa: E402
 import bench_mac  # noqa: E402
 import bench_recv  # noqa: E402
 import bench_rounds  # noqa: E402
 import bench_transfer  # noqa: E402
 
-BENCHMARKS = ("codec", "mac", "envelope", "recv", "rounds", "transfer", "broker", "checkpoint")
+BENCHMARKS = (
+    "codec",
+    "mac",
+    "envelope",
+    "recv",
+    "dead-letters",
+    "rounds",
+    "transfer",
+    "broker",
+    "checkpoint",
+)
 
 
 def _redact(url: str) -> str:
@@ -144,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         "mac": 1,
         "envelope": 1,
         "recv": 1,
+        "dead-letters": 1,
         "rounds": bench_rounds.step_count((10, 50), bench_rounds.TRANSPORTS),
         "transfer": bench_transfer.step_count(),
         "broker": bench_broker.step_count(),
@@ -157,6 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     def recv(say: Callable[[str], None]) -> str:
         say("recv: pika's socket reads")
         return bench_recv.run(3)
+
+    def dead_letters(say: Callable[[str], None]) -> str:
+        say("dead letters: one by one and together")
+        return bench_dead_letters.run(3)
 
     def checkpoint_job(say: Callable[[str], None]) -> str:
         say("checkpoint: rounds.csv and the checkpoint as a run grows")
@@ -178,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             lambda say: _envelope(say),
         ),
         "recv": ("Reading large messages", recv),
+        "dead-letters": ("A burst of bad messages", dead_letters),
         "rounds": (
             "Round wall time vs the compute floor",
             lambda say: bench_rounds.run(

@@ -133,6 +133,9 @@ class ServiceBase:
         #: a host's outbox may hold a whole ``tasks`` message's answers (thousands)
         self._answering: set[int] = set()
         self._uploads = 0
+        #: this turn's dead letters, by delivery, stored together after its messages are handled
+        #: (None: outside a turn, each one is stored as it is rejected)
+        self._rejects: dict[int, tuple[Delivery, str, str]] | None = None
         self.outbox_since: float | None = None
         #: senders are checked (role, lease) unless every service shares one broker user (dev mode)
         self.strict = strict(transport.user)
@@ -228,8 +231,12 @@ class ServiceBase:
         self.log.warning(
             "dead-lettered a message: %s", detail, extra={"event": "dead_letter", "reason": reason}
         )
-        if not delivery.settled:
+        if delivery.settled:
+            return
+        if self._rejects is None:
             self.transport.dead_letter(delivery, reason, detail)
+        else:
+            self._rejects.setdefault(id(delivery), (delivery, reason, detail))
 
     # -- sending ---------------------------------------------------------------------------------
     def send(
@@ -435,8 +442,20 @@ class ServiceBase:
 
     def turn(self, poll_s: float) -> None:
         """One turn of the loop: handle what is ready (waiting up to ``poll_s`` for it), publish what
-        that queued (``flush``), run the timers."""
-        self.transport.process(poll_s)
+        that queued (``flush``), run the timers.
+
+        The turn's dead letters are stored together once its messages are handled (one broker
+        round trip, ``Transport.dead_letter_many``), not one confirmed publish each: a burst of bad
+        messages must not stall the service. Their originals are acked only after that; if
+        handling raises, they stay unacknowledged and come back with the lost connection."""
+        self._rejects = {}
+        try:
+            self.transport.process(poll_s)
+            rejects = list(self._rejects.values())
+        finally:
+            self._rejects = None
+        if rejects:
+            self.transport.dead_letter_many(rejects)
         self.flush()
         self.tick()
 

@@ -9,7 +9,7 @@ implementation, so an implementation that drifts fails the same test the others 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 from prometheus_client import REGISTRY
@@ -174,6 +174,63 @@ def test_dead_letters_carry_their_reason_and_leave_the_queue(make: Factory) -> N
     assert got[0].headers["x-fedfleet-reason"] == "schema"
     assert got[0].headers["x-fedfleet-detail"] == "field 'seq' is missing"
     assert t.queue_depth(q) == 0  # the original was acked, not left to come back
+
+
+def test_dead_letters_stored_together_each_keep_their_reason_and_leave_the_queue(make: Factory) -> None:
+    """``dead_letter_many``: each message is stored with its own reason and sender header, and every
+    original is acked (RabbitMQ classic queues: one transaction; quorum: one confirm each)."""
+    t, reader = make(), make()
+    q = _queue(t)
+    t.declare_queue(q, ["k"])
+    held: list[Delivery] = []
+    t.consume(q, held.append, prefetch=16)
+    t.publish_many([("k", f"bad {i}".encode()) for i in range(10)])
+    _pump([t], lambda: len(held) == 10)
+    t.dead_letter_many([(d, f"reason-{i % 3}", f"detail {i}") for i, d in enumerate(held)])
+    assert all(d.settled for d in held)
+    got = _dead_letters(reader, 10)
+    assert sorted(
+        (d.body, d.headers["x-fedfleet-reason"], d.headers["x-fedfleet-detail"]) for d in got
+    ) == sorted((f"bad {i}".encode(), f"reason-{i % 3}", f"detail {i}") for i in range(10))
+    _pump([t], lambda: False, rounds=3)  # an original left unacked would be back by now
+    assert t.queue_depth(q) == 0 and len(held) == 10
+
+
+def test_a_turns_dead_letters_are_stored_together_after_its_messages(make: Factory) -> None:
+    """A service's turn rejects each bad message as before (reason, counter), but stores the turn's
+    dead letters with one ``dead_letter_many`` once every message is handled, acking each original
+    only then; a message rejected twice (a handler that rejects, then fails) is stored once."""
+    t, reader = make(), make()
+    sink = _Sink(t, max_bytes=64)
+    q = _queue(t)
+    t.declare_queue(q, ["k"])
+    batches: list[int] = []
+    store = t.dead_letter_many
+
+    def counted(items: Sequence[tuple[Delivery, str, str]]) -> None:
+        batches.append(len(items))
+        store(items)
+
+    t.dead_letter_many = counted  # type: ignore[method-assign]
+    seen: list[Delivery] = []
+
+    def handler(d: Delivery) -> None:
+        seen.append(d)
+        sink.dispatch(d, {})  # oversized or undecodable: rejected
+        assert not d.settled  # stored, and acked, only at the end of the turn
+        sink.reject(d, "again", "a second rejection of the same message")
+
+    t.consume(q, handler, prefetch=16)
+    t.publish_many([("k", b"\x00" * 65 if i % 2 else b"not msgpack") for i in range(6)])
+    for _ in range(400):
+        if len(seen) == 6:
+            break
+        sink.turn(0.02)
+    assert len(seen) == 6 and all(d.settled for d in seen)
+    assert sum(batches) == 6 and len(batches) < 6
+    got = _dead_letters(reader, 6)
+    assert sorted(d.headers["x-fedfleet-reason"] for d in got) == ["malformed"] * 3 + ["oversized"] * 3
+    assert t.queue_depth(q) == 0
 
 
 class _Sink(ServiceBase):

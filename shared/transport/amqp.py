@@ -671,14 +671,16 @@ class AmqpTransport(Transport):
             self._tx, self._tx_generation = ch, self._generation
         return self._tx
 
-    def _commit_batch(self, items: Sequence[tuple[str, bytes]], props: BasicProperties) -> set[str]:
-        """One transaction; a commit the broker fails (a leader election) is retried like a NACK."""
+    def _commit_batch(self, items: Sequence[tuple[str, str, bytes, BasicProperties]]) -> set[str]:
+        """One transaction of ``(exchange, key, body, properties)`` publishes, returning the routing
+        keys the broker returned; a commit the broker fails (a leader election) is retried like a
+        NACK."""
         for attempt in range(self.options.publish_retries + 1):
             try:
                 ch = self._batch_channel()
                 self._returned.clear()
-                for key, body in items:
-                    ch.basic_publish(self.names.exchange, key, body, props, mandatory=True)
+                for exchange, key, body, props in items:
+                    ch.basic_publish(exchange, key, body, props, mandatory=True)
                 ch.tx_commit()
                 break
             except (pika.exceptions.ChannelClosedByBroker, pika.exceptions.ChannelWrongStateError) as err:
@@ -709,7 +711,10 @@ class AmqpTransport(Transport):
             # election took the messages; a publisher confirm is. One confirm per message, then.
             return super().publish_many(items, transient=transient)
         props = BasicProperties(delivery_mode=self._delivery_mode(transient), user_id=self.user)
-        return self._with_reconnect(lambda: self._commit_batch(items, props))
+        exchange = self.names.exchange
+        return self._with_reconnect(
+            lambda: self._commit_batch([(exchange, key, body, props) for key, body in items])
+        )
 
     # -- consuming -------------------------------------------------------------------------------
     def _start_consumer(self, queue: str, handler: Handler, prefetch: int) -> None:
@@ -818,13 +823,7 @@ class AmqpTransport(Transport):
 
         self._with_reconnect(_run)
 
-    def dead_letter(self, delivery: Delivery, reason: str, detail: str) -> None:
-        """Publish to the dead-letter exchange (confirmed, mandatory), then ack the original.
-
-        If the dead letter cannot be confirmed on this connection, the original is left
-        unacknowledged: the lost connection returns it to its queue and it is handled (and
-        dead-lettered) again, so a dead letter is never acked away without being stored.
-        """
+    def _dead_letter_props(self, delivery: Delivery, reason: str, detail: str) -> BasicProperties:
         headers = dict(delivery.headers)
         headers.update(
             {
@@ -836,7 +835,51 @@ class AmqpTransport(Transport):
         # the original sender stays readable in a header; the dead letter itself is published by us
         if delivery.user_id:
             headers["x-fedfleet-user"] = delivery.user_id
-        props = BasicProperties(delivery_mode=2, headers=headers, user_id=self.user)
+        return BasicProperties(delivery_mode=2, headers=headers, user_id=self.user)
+
+    def dead_letter_many(self, items: Sequence[tuple[Delivery, str, str]]) -> None:
+        """The dead letters in one transaction, then the originals acked; what the batch cannot
+        settle (a queue type whose commit promises nothing, no dead-letter queue, a refused commit)
+        goes one by one through ``dead_letter``, which knows what to do in each case. A lost
+        connection leaves every original unacknowledged, to be redelivered and handled again."""
+        if len(items) < 2 or self.options.queue_type == "quorum":
+            super().dead_letter_many(items)
+            return
+        publishes = [
+            (self.names.dead_letter_exchange, "", d.body, self._dead_letter_props(d, reason, detail))
+            for d, reason, detail in items
+        ]
+        generation = self._generation
+        try:
+            returned = self._commit_batch(publishes)
+        except (*_CONNECTION_ERRORS, _PublishRefused) as err:
+            if self._closed():
+                log.error(
+                    "could not store %d dead letters (%s); the originals stay unacknowledged",
+                    len(items),
+                    scrub(str(err), self.urls),
+                    extra={"event": "amqp_dead_letter_failed"},
+                )
+                with contextlib.suppress(Departed):  # ``process`` raises it next
+                    self._reconnect(err)
+                return
+            super().dead_letter_many(items)
+            return
+        if returned:  # no dead-letter queue took them: the lone path declares it again or requeues
+            super().dead_letter_many(items)
+            return
+        if generation == self._generation:
+            for d, _, _ in items:
+                d.ack()
+
+    def dead_letter(self, delivery: Delivery, reason: str, detail: str) -> None:
+        """Publish to the dead-letter exchange (confirmed, mandatory), then ack the original.
+
+        If the dead letter cannot be confirmed on this connection, the original is left
+        unacknowledged: the lost connection returns it to its queue and it is handled (and
+        dead-lettered) again, so a dead letter is never acked away without being stored.
+        """
+        props = self._dead_letter_props(delivery, reason, detail)
         generation = self._generation
         try:
             try:

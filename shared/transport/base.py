@@ -240,6 +240,15 @@ class Transport(ABC):
     def dead_letter(self, delivery: Delivery, reason: str, detail: str) -> None:
         """Move a message to the dead-letter queue with its reason, then ack the original."""
 
+    def dead_letter_many(self, items: Sequence[tuple[Delivery, str, str]]) -> None:
+        """``dead_letter`` each ``(delivery, reason, detail)``; a transport may store them together.
+
+        Why: a hostile sender's burst of bad messages (or one ``answers`` of 4,096 bad entries)
+        cost a confirmed publish each, 0.8 ms apiece over a local RabbitMQ: a stall of seconds
+        for the service. Stored with one broker round trip, they cost what a batch does."""
+        for delivery, reason, detail in items:
+            self.dead_letter(delivery, reason, detail)
+
     @abstractmethod
     def queue_depth(self, queue: str) -> int: ...
 
