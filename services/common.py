@@ -235,8 +235,9 @@ class ServiceBase:
             return
         if self._rejects is None:
             self.transport.dead_letter(delivery, reason, detail)
-        else:
-            self._rejects.setdefault(id(delivery), (delivery, reason, detail))
+        elif id(delivery) not in self._rejects:
+            delivery.doomed = True  # nobody acks or requeues it before its dead letter is stored
+            self._rejects[id(delivery)] = (delivery, reason, detail)
 
     # -- sending ---------------------------------------------------------------------------------
     def send(
@@ -444,19 +445,22 @@ class ServiceBase:
         """One turn of the loop: handle what is ready (waiting up to ``poll_s`` for it), publish what
         that queued (``flush``), run the timers.
 
-        The turn's dead letters are stored together once its messages are handled (one broker
-        round trip, ``Transport.dead_letter_many``), not one confirmed publish each: a burst of bad
-        messages must not stall the service. Their originals are acked only after that; if
-        handling raises, they stay unacknowledged and come back with the lost connection."""
+        The turn's dead letters (its messages' and its flush's) are stored together at its end
+        (one broker round trip, ``Transport.dead_letter_many``), not one confirmed publish each: a
+        burst of bad messages must not stall the service. Their originals are acked only after
+        that, and nothing acks or requeues them before (``Delivery.doomed``); if handling raises,
+        they stay unacknowledged and come back with the lost connection."""
         self._rejects = {}
         try:
             self.transport.process(poll_s)
+            self.flush()
             rejects = list(self._rejects.values())
         finally:
             self._rejects = None
         if rejects:
+            for delivery, _, _ in rejects:
+                delivery.doomed = False
             self.transport.dead_letter_many(rejects)
-        self.flush()
         self.tick()
 
     def run(self, poll_s: float = 0.05) -> None:

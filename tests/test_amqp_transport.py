@@ -531,6 +531,59 @@ def test_a_dead_letter_survives_a_deleted_dead_letter_queue(broker_url: str, exp
         t.close()
 
 
+def test_dead_letters_of_a_lost_connection_are_stored_once_when_they_come_back(
+    broker_url: str, experiment_id: str
+) -> None:
+    """Messages rejected on a connection that is then lost (a reconnect inside one turn) are not
+    dead-lettered from the old deliveries: the broker delivers them again, and those are stored,
+    once each. Before, each was stored twice (once stale, once redelivered)."""
+    q = f"ff.{experiment_id}.gen"
+    t = AmqpTransport(broker_url, experiment_id)
+    try:
+        t.declare_queue(q, ["gen"])
+        got: list[Delivery] = []
+        t.consume(q, got.append, prefetch=8)
+        t.publish_many([("gen", f"bad {i}".encode()) for i in range(3)])
+        _drain(t, got, 3)
+        assert t._conn is not None
+        import socket
+
+        t._conn._impl._transport._sock.shutdown(socket.SHUT_RDWR)  # a dropped TCP connection
+        t.publish("gen", b"bad 3")  # reconnects; the three unacked ones come back
+        stale = got[:3]
+        t.dead_letter_many([(d, "malformed", "stale") for d in stale])
+        assert t.queue_depth(t.names.dead_letter_queue) == 0 and not any(d.settled for d in stale)
+        _drain(t, got, 7)
+        again = got[3:]
+        assert sorted(d.body for d in again) == [f"bad {i}".encode() for i in range(4)]
+        t.dead_letter_many([(d, "malformed", "current") for d in again])
+        assert t.queue_depth(t.names.dead_letter_queue) == 4 and all(d.settled for d in again)
+    finally:
+        t.delete_experiment([q])
+        t.close()
+
+
+def test_dead_letters_stored_together_survive_a_deleted_dead_letter_queue(
+    broker_url: str, experiment_id: str
+) -> None:
+    """The batch's mandatory publishes come back when nobody holds the dead-letter queue; the lone
+    path then declares it again, so each is stored and its original acked."""
+    q = f"ff.{experiment_id}.dlm"
+    t = AmqpTransport(broker_url, experiment_id)
+    try:
+        t.declare_queue(q, ["dlm"])
+        got: list[Delivery] = []
+        t.consume(q, got.append, prefetch=8)
+        t.publish_many([("dlm", f"keep {i}".encode()) for i in range(5)])
+        _drain(t, got, 5)
+        t.channel.queue_delete(t.names.dead_letter_queue)
+        t.dead_letter_many([(d, "schema", "bad") for d in got])
+        assert t.queue_depth(t.names.dead_letter_queue) == 5 and all(d.settled for d in got)
+    finally:
+        t.delete_experiment([q])
+        t.close()
+
+
 def _sample(name: str, experiment: str, reason: str | None = None) -> float:
     labels = {"experiment": experiment} | ({"reason": reason} if reason else {})
     return REGISTRY.get_sample_value(name, labels) or 0.0

@@ -199,7 +199,8 @@ def test_dead_letters_stored_together_each_keep_their_reason_and_leave_the_queue
 def test_a_turns_dead_letters_are_stored_together_after_its_messages(make: Factory) -> None:
     """A service's turn rejects each bad message as before (reason, counter), but stores the turn's
     dead letters with one ``dead_letter_many`` once every message is handled, acking each original
-    only then; a message rejected twice (a handler that rejects, then fails) is stored once."""
+    only then; a message rejected twice (a handler that rejects, then fails) is stored once, and an
+    ack or requeue of a rejected message meanwhile does nothing."""
     t, reader = make(), make()
     sink = _Sink(t, max_bytes=64)
     q = _queue(t)
@@ -219,6 +220,9 @@ def test_a_turns_dead_letters_are_stored_together_after_its_messages(make: Facto
         sink.dispatch(d, {})  # oversized or undecodable: rejected
         assert not d.settled  # stored, and acked, only at the end of the turn
         sink.reject(d, "again", "a second rejection of the same message")
+        d.nack(requeue=True)  # nobody may requeue it (it would come back and be stored twice)
+        d.ack()  # or ack it before its dead letter is stored
+        assert not d.settled
 
     t.consume(q, handler, prefetch=16)
     t.publish_many([("k", b"\x00" * 65 if i % 2 else b"not msgpack") for i in range(6)])

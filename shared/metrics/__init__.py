@@ -15,7 +15,7 @@ import errno
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
@@ -289,13 +289,19 @@ class _Served:
 
     def __init__(self, body: Iterable[bytes], began: float, timeout_s: float | None) -> None:
         self.body, self.began, self.timeout_s = body, began, timeout_s
+        self.started = time.monotonic()
+        self.written = False
 
-    def __iter__(self) -> Any:
-        return iter(self.body)
+    def __iter__(self) -> Iterator[bytes]:
+        yield from self.body
+        self.written = True  # the server asks for more only after writing what it had
 
     def close(self) -> None:
         global _last_scrape
-        if self.timeout_s is not None and time.time() - self.began > SCRAPE_TIMEOUT_SHARE * self.timeout_s:
+        if not self.written:  # the write failed (WSGI servers call ``close`` then too)
+            return
+        took = time.monotonic() - self.started
+        if self.timeout_s is not None and took > SCRAPE_TIMEOUT_SHARE * self.timeout_s:
             return
         with _scraped:
             _last_scrape = max(_last_scrape, self.began)

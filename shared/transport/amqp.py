@@ -97,6 +97,12 @@ _CONNECTION_ERRORS = (
 #: reply codes that say "you may not" or "not like this" rather than "not now": retrying cannot help
 _PERMANENT = (403, 406)
 
+#: the most dead letters, and their bytes, one transaction stores (``dead_letter_many``): a turn
+#: may reject a whole prefetch of messages as large as the broker takes, and a transaction is held
+#: in the broker's memory until its commit
+DEAD_LETTER_BATCH = 512
+DEAD_LETTER_BATCH_BYTES = 16 << 20
+
 QueueType = Literal["classic", "quorum"]
 QueueMode = Literal["default", "lazy"]
 
@@ -662,7 +668,8 @@ class AmqpTransport(Transport):
         """A second channel in AMQP transaction mode: a batch is committed (and, for durable queues,
         persisted) with one round trip. Mandatory returns arrive before the commit's reply."""
         if self._tx is None or self._tx_generation != self._generation or not self._tx.is_open:
-            assert self._conn is not None
+            if self._conn is None:
+                raise pika.exceptions.ConnectionWrongStateError("no connection")
             ch = self._conn.channel()
             ch.tx_select()
             ch.add_on_return_callback(
@@ -744,6 +751,7 @@ class AmqpTransport(Transport):
                 reply_to=props.reply_to,
                 _ack=ack,
                 _nack=nack,
+                generation=generation,
             )
             if self._publishing:
                 self._deferred.append((handler, d))
@@ -842,9 +850,29 @@ class AmqpTransport(Transport):
         settle (a queue type whose commit promises nothing, no dead-letter queue, a refused commit)
         goes one by one through ``dead_letter``, which knows what to do in each case. A lost
         connection leaves every original unacknowledged, to be redelivered and handled again."""
+        items = [it for it in items if not it[0].settled and self._current(it[0])]
         if len(items) < 2 or self.options.queue_type == "quorum":
             super().dead_letter_many(items)
             return
+        chunk: list[tuple[Delivery, str, str]] = []
+        size = 0
+        for item in items:  # one transaction holds at most DEAD_LETTER_BATCH messages or bytes
+            full = len(chunk) == DEAD_LETTER_BATCH or size + len(item[0].body) > DEAD_LETTER_BATCH_BYTES
+            if chunk and full:
+                if not self._dead_letter_batch(chunk):
+                    return
+                chunk, size = [], 0
+            chunk.append(item)
+            size += len(item[0].body)
+        self._dead_letter_batch(chunk)
+
+    def _current(self, delivery: Delivery) -> bool:
+        """Whether ``delivery`` came on this connection (a lost one's messages come back anyway)."""
+        return delivery.generation is None or delivery.generation == self._generation
+
+    def _dead_letter_batch(self, items: Sequence[tuple[Delivery, str, str]]) -> bool:
+        """One transaction of dead letters, then their originals acked; False once the connection
+        is lost (what is left stays unacknowledged, to come back)."""
         publishes = [
             (self.names.dead_letter_exchange, "", d.body, self._dead_letter_props(d, reason, detail))
             for d, reason, detail in items
@@ -862,15 +890,17 @@ class AmqpTransport(Transport):
                 )
                 with contextlib.suppress(Departed):  # ``process`` raises it next
                     self._reconnect(err)
-                return
-            super().dead_letter_many(items)
-            return
+                return False
+            super().dead_letter_many(items)  # a refused commit: the lone path, item by item
+            return generation == self._generation
         if returned:  # no dead-letter queue took them: the lone path declares it again or requeues
             super().dead_letter_many(items)
-            return
-        if generation == self._generation:
-            for d, _, _ in items:
-                d.ack()
+            return generation == self._generation
+        if generation != self._generation:
+            return False
+        for d, _, _ in items:
+            d.ack()
+        return True
 
     def dead_letter(self, delivery: Delivery, reason: str, detail: str) -> None:
         """Publish to the dead-letter exchange (confirmed, mandatory), then ack the original.
@@ -879,6 +909,8 @@ class AmqpTransport(Transport):
         unacknowledged: the lost connection returns it to its queue and it is handled (and
         dead-lettered) again, so a dead letter is never acked away without being stored.
         """
+        if not self._current(delivery):
+            return  # its connection is gone: the broker delivers it again, to be handled again
         props = self._dead_letter_props(delivery, reason, detail)
         generation = self._generation
         try:

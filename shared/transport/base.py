@@ -89,14 +89,20 @@ class Delivery:
     _ack: Callable[[], None] = field(default=lambda: None, repr=False)
     _nack: Callable[[bool], None] = field(default=lambda requeue: None, repr=False)
     settled: bool = False
+    #: rejected, its dead letter not yet stored (a service stores a turn's together): nobody may ack
+    #: or requeue it meanwhile, or it would be acked unrecorded, or handled again and recorded twice
+    doomed: bool = False
+    #: the transport connection it came on (None: the transport has one for good): a dead letter of
+    #: a delivery from a lost connection is not stored, because the broker delivers it again
+    generation: int | None = None
 
     def ack(self) -> None:
-        if not self.settled:
+        if not self.settled and not self.doomed:
             self.settled = True
             self._ack()
 
     def nack(self, requeue: bool) -> None:
-        if not self.settled:
+        if not self.settled and not self.doomed:
             self.settled = True
             self._nack(requeue)
 
@@ -135,6 +141,7 @@ def split(delivery: Delivery, bodies: list[bytes]) -> list[Delivery]:
             reply_to=delivery.reply_to,
             _ack=settled,
             _nack=nacked,
+            generation=delivery.generation,
         )
         for body in bodies
     ]
@@ -245,9 +252,11 @@ class Transport(ABC):
 
         Why: a hostile sender's burst of bad messages (or one ``answers`` of 4,096 bad entries)
         cost a confirmed publish each, 0.8 ms apiece over a local RabbitMQ: a stall of seconds
-        for the service. Stored with one broker round trip, they cost what a batch does."""
+        for the service. Stored with one broker round trip, they cost what a batch does. A
+        delivery settled meanwhile is left alone."""
         for delivery, reason, detail in items:
-            self.dead_letter(delivery, reason, detail)
+            if not delivery.settled:
+                self.dead_letter(delivery, reason, detail)
 
     @abstractmethod
     def queue_depth(self, queue: str) -> int: ...
