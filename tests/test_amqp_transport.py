@@ -531,6 +531,17 @@ def test_a_dead_letter_survives_a_deleted_dead_letter_queue(broker_url: str, exp
         t.close()
 
 
+def _held(t: AmqpTransport, q: str, key: str, bodies: list[bytes]) -> list[Delivery]:
+    """``bodies`` published to a new queue ``q`` on ``key`` and delivered, left unacknowledged (the
+    list keeps growing with whatever else arrives)."""
+    t.declare_queue(q, [key])
+    got: list[Delivery] = []
+    t.consume(q, got.append, prefetch=8)
+    t.publish_many([(key, body) for body in bodies])
+    _drain(t, got, len(bodies))
+    return got
+
+
 def test_dead_letters_of_a_lost_connection_are_stored_once_when_they_come_back(
     broker_url: str, experiment_id: str
 ) -> None:
@@ -540,11 +551,7 @@ def test_dead_letters_of_a_lost_connection_are_stored_once_when_they_come_back(
     q = f"ff.{experiment_id}.gen"
     t = AmqpTransport(broker_url, experiment_id)
     try:
-        t.declare_queue(q, ["gen"])
-        got: list[Delivery] = []
-        t.consume(q, got.append, prefetch=8)
-        t.publish_many([("gen", f"bad {i}".encode()) for i in range(3)])
-        _drain(t, got, 3)
+        got = _held(t, q, "gen", [f"bad {i}".encode() for i in range(3)])
         assert t._conn is not None
         import socket
 
@@ -571,11 +578,7 @@ def test_dead_letters_stored_together_survive_a_deleted_dead_letter_queue(
     q = f"ff.{experiment_id}.dlm"
     t = AmqpTransport(broker_url, experiment_id)
     try:
-        t.declare_queue(q, ["dlm"])
-        got: list[Delivery] = []
-        t.consume(q, got.append, prefetch=8)
-        t.publish_many([("dlm", f"keep {i}".encode()) for i in range(5)])
-        _drain(t, got, 5)
+        got = _held(t, q, "dlm", [f"keep {i}".encode() for i in range(5)])
         t.channel.queue_delete(t.names.dead_letter_queue)
         t.dead_letter_many([(d, "schema", "bad") for d in got])
         assert t.queue_depth(t.names.dead_letter_queue) == 5 and all(d.settled for d in got)
