@@ -9,6 +9,7 @@ a results table and leaves ``runs/<run-id>/``. The per-service commands (``serve
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import re
@@ -18,6 +19,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -215,16 +217,39 @@ def cmd_aggregator(args: argparse.Namespace) -> int:
 _TERMINATED_EARLY = threading.Event()
 
 
+#: the host is waiting for the server's answer to its join request (``_joining``): the one phase of
+#: its start where a SIGTERM may raise, because it may last a minute
+_INTERRUPTIBLE = False
+
+
 def _leave_before_joining(signum: int, frame: Any) -> None:
     """SIGTERM before the host has joined (a pod scaled away while it starts): nothing to hand over.
 
-    The request is also recorded (``_TERMINATED_EARLY``): the ``SystemExit`` raised here is lost
-    when the signal lands inside a callback Python runs for itself — an import's module-lock
-    callback prints "Exception ignored" and carries on (seen in CI: the pod then joined, served and
-    idled, and never exited). The host then honours the record once it can (``_honour_early_term``).
+    The request is recorded (``_TERMINATED_EARLY``) and honoured at the next step of the start
+    (``cmd_client`` looks after each one, ``_honour_early_term`` once the host has joined). It
+    raises ``SystemExit`` only while the host waits for its join answer (``_INTERRUPTIBLE``).
+    Why not always: an exception raised by a signal handler lands wherever the main thread is.
+    Inside a callback Python runs for itself (an import's module-lock callback) it is lost ("Exception
+    ignored": seen in CI, the pod then joined, served and idled, and never exited). Inside a class
+    body's ``__set_name__`` (an import of scikit-learn) it becomes a ``RuntimeError``: exit 1 after
+    SIGTERM, a failure to Kubernetes (seen in CI at 971e80d).
     """
     _TERMINATED_EARLY.set()
-    raise SystemExit(0)
+    if _INTERRUPTIBLE:
+        raise SystemExit(0)
+
+
+@contextlib.contextmanager
+def _joining() -> Iterator[None]:
+    """The join request's wait, during which a SIGTERM ends the host at once (exit 0)."""
+    global _INTERRUPTIBLE
+    _INTERRUPTIBLE = True  # first: a signal from now on raises, one before it was recorded
+    try:
+        if _TERMINATED_EARLY.is_set():
+            raise SystemExit(0)
+        yield
+    finally:
+        _INTERRUPTIBLE = False
 
 
 def _honour_early_term(client: Any) -> None:
@@ -241,7 +266,8 @@ def cmd_client(args: argparse.Namespace) -> int:
     from services.client.capacity import host_budget, memory_limit
     from services.client.service import Client, per_device_bytes
     from services.common import setup_logging
-    from shared import metrics
+    from shared import metrics, provision  # noqa: F401 (imported here, not in the join's wait)
+    from shared.transport import amqp  # noqa: F401 (the same)
 
     settings = _settings()
     setup_logging(settings.log_level)
@@ -251,13 +277,16 @@ def cmd_client(args: argparse.Namespace) -> int:
     if args.max_devices is not None and args.max_devices < 1:
         raise SystemExit("--max-devices must be at least 1")
     metrics.serve(_metrics_port(args, settings, "client"))
+    if _TERMINATED_EARLY.is_set():  # asked to stop while starting; not joined yet: nothing to hand back
+        return 0
     exp = _experiment(cfg, args.config)
     capacity, memory = host_budget(
         memory_limit(), per_device_bytes(exp), exp.full_footprint_bytes, args.max_devices
     )
-    if _TERMINATED_EARLY.is_set():  # asked to stop while starting; not joined yet: nothing to hand back
+    if _TERMINATED_EARLY.is_set():
         return 0
-    url, client_id = _host_login(settings.rabbitmq_url, exp_id, args.id)
+    with _joining():
+        url, client_id = _host_login(settings.rabbitmq_url, exp_id, args.id)
     transport = _transport(url, exp_id)
     state_dir = Path(args.state_dir or Path("runs") / exp_id / "hosts" / client_id)
     client = Client(
