@@ -217,8 +217,8 @@ def cmd_aggregator(args: argparse.Namespace) -> int:
 _TERMINATED_EARLY = threading.Event()
 
 
-#: the host is waiting for the server's answer to its join request (``_joining``): the one phase of
-#: its start where a SIGTERM may raise, because it may last a minute
+#: the host is waiting for the server's answer to its join request or for its connection
+#: (``_joining``): the phase of its start where a SIGTERM may raise, because it may last minutes
 _INTERRUPTIBLE = False
 
 
@@ -227,21 +227,24 @@ def _leave_before_joining(signum: int, frame: Any) -> None:
 
     The request is recorded (``_TERMINATED_EARLY``) and honoured at the next step of the start
     (``cmd_client`` looks after each one, ``_honour_early_term`` once the host has joined). It
-    raises ``SystemExit`` only while the host waits for its join answer (``_INTERRUPTIBLE``).
+    raises ``SystemExit`` only while the host waits for its join answer and its connection
+    (``_INTERRUPTIBLE``), or at a second signal.
     Why not always: an exception raised by a signal handler lands wherever the main thread is.
     Inside a callback Python runs for itself (an import's module-lock callback) it is lost ("Exception
     ignored": seen in CI, the pod then joined, served and idled, and never exited). Inside a class
     body's ``__set_name__`` (an import of scikit-learn) it becomes a ``RuntimeError``: exit 1 after
     SIGTERM, a failure to Kubernetes (seen in CI at 971e80d).
     """
+    again = _TERMINATED_EARLY.is_set()
     _TERMINATED_EARLY.set()
-    if _INTERRUPTIBLE:
+    if _INTERRUPTIBLE or again:  # a second signal: whoever sent it will not wait for the next step
         raise SystemExit(0)
 
 
 @contextlib.contextmanager
 def _joining() -> Iterator[None]:
-    """The join request's wait, during which a SIGTERM ends the host at once (exit 0)."""
+    """The waits for the join answer and the broker connection (each up to a minute or two),
+    during which a SIGTERM ends the host at once (exit 0)."""
     global _INTERRUPTIBLE
     _INTERRUPTIBLE = True  # first: a signal from now on raises, one before it was recorded
     try:
@@ -263,11 +266,14 @@ def _honour_early_term(client: Any) -> None:
 def cmd_client(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _leave_before_joining)
     signal.signal(signal.SIGINT, _leave_before_joining)
+    # imported before the join's wait, whose SIGTERM raises: an import is no place for that
+    import encodings.idna  # noqa: F401
+
     from services.client.capacity import host_budget, memory_limit
     from services.client.service import Client, per_device_bytes
     from services.common import setup_logging
-    from shared import metrics, provision  # noqa: F401 (imported here, not in the join's wait)
-    from shared.transport import amqp  # noqa: F401 (the same)
+    from shared import metrics, provision  # noqa: F401
+    from shared.transport import amqp  # noqa: F401
 
     settings = _settings()
     setup_logging(settings.log_level)
@@ -285,9 +291,9 @@ def cmd_client(args: argparse.Namespace) -> int:
     )
     if _TERMINATED_EARLY.is_set():
         return 0
-    with _joining():
+    with _joining():  # the join answer, then the connection (it may wait for the server's queues)
         url, client_id = _host_login(settings.rabbitmq_url, exp_id, args.id)
-    transport = _transport(url, exp_id)
+        transport = _transport(url, exp_id)
     state_dir = Path(args.state_dir or Path("runs") / exp_id / "hosts" / client_id)
     client = Client(
         transport,

@@ -22,6 +22,7 @@ definitions of the fixed roles from ``role_permissions`` (``tests/test_deploy.py
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import re
 import secrets
@@ -220,10 +221,16 @@ def join(url: str, experiment: str, hint: str = "", timeout_s: float = 60.0) -> 
         _env, reply = decode(got[0], max_bytes=1 << 16)
         if not isinstance(reply, JoinReply):
             raise ProvisionError("the join request was answered with something else")
-        return reply
-    finally:
-        if conn.is_open:
-            conn.close()
+    except BaseException:
+        # leaving on an error or a SIGTERM (``SystemExit``): the close must not replace it, e.g. with
+        # the error of a connection the broker closed because a publish was cut between frames
+        with contextlib.suppress(Exception):
+            if conn.is_open:
+                conn.close()
+        raise
+    if conn.is_open:
+        conn.close()
+    return reply
 
 
 def _await_exchange(conn: Any, exchange: str, deadline: float) -> Any:
