@@ -133,9 +133,9 @@ class ServiceBase:
         #: a host's outbox may hold a whole ``tasks`` message's answers (thousands)
         self._answering: set[int] = set()
         self._uploads = 0
-        #: this turn's dead letters, by delivery, stored together after its messages are handled
-        #: (None: outside a turn, each one is stored as it is rejected)
-        self._rejects: dict[int, tuple[Delivery, str, str]] | None = None
+        #: this turn's dead letters, stored together after its messages are handled (None: outside
+        #: a turn, each one is stored as it is rejected)
+        self._rejects: list[tuple[Delivery, str, str]] | None = None
         self.outbox_since: float | None = None
         #: senders are checked (role, lease) unless every service shares one broker user (dev mode)
         self.strict = strict(transport.user)
@@ -231,13 +231,13 @@ class ServiceBase:
         self.log.warning(
             "dead-lettered a message: %s", detail, extra={"event": "dead_letter", "reason": reason}
         )
-        if delivery.settled:
+        if delivery.settled or delivery.doomed:  # stored, or to be stored at the turn's end
             return
         if self._rejects is None:
             self.transport.dead_letter(delivery, reason, detail)
-        elif id(delivery) not in self._rejects:
+        else:
             delivery.doomed = True  # nobody acks or requeues it before its dead letter is stored
-            self._rejects[id(delivery)] = (delivery, reason, detail)
+            self._rejects.append((delivery, reason, detail))
 
     # -- sending ---------------------------------------------------------------------------------
     def send(
@@ -450,11 +450,11 @@ class ServiceBase:
         burst of bad messages must not stall the service. Their originals are acked only after
         that, and nothing acks or requeues them before (``Delivery.doomed``); if handling raises,
         they stay unacknowledged and come back with the lost connection."""
-        self._rejects = {}
+        rejects: list[tuple[Delivery, str, str]] = []
+        self._rejects = rejects
         try:
             self.transport.process(poll_s)
             self.flush()
-            rejects = list(self._rejects.values())
         finally:
             self._rejects = None
         if rejects:

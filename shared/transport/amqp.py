@@ -882,14 +882,7 @@ class AmqpTransport(Transport):
             returned = self._commit_batch(publishes)
         except (*_CONNECTION_ERRORS, _PublishRefused) as err:
             if self._closed():
-                log.error(
-                    "could not store %d dead letters (%s); the originals stay unacknowledged",
-                    len(items),
-                    scrub(str(err), self.urls),
-                    extra={"event": "amqp_dead_letter_failed"},
-                )
-                with contextlib.suppress(Departed):  # ``process`` raises it next
-                    self._reconnect(err)
+                self._dead_letters_lost(err, f"{len(items)} dead letters", "")
                 return False
             super().dead_letter_many(items)  # a refused commit: the lone path, item by item
             return generation == self._generation
@@ -901,6 +894,18 @@ class AmqpTransport(Transport):
         for d, _, _ in items:
             d.ack()
         return True
+
+    def _dead_letters_lost(self, err: BaseException, what: str, reason: str) -> None:
+        """Dead letters the broker did not take: logged, the connection renewed; their originals
+        stay unacknowledged, so they come back and are handled (and dead-lettered) again."""
+        log.error(
+            "could not store %s (%s); left unacknowledged, to come back",
+            what,
+            scrub(str(err), self.urls),
+            extra={"event": "amqp_dead_letter_failed", "reason": reason},
+        )
+        with contextlib.suppress(Departed):  # not the handler's business: ``process`` raises it next
+            self._reconnect(err)
 
     def dead_letter(self, delivery: Delivery, reason: str, detail: str) -> None:
         """Publish to the dead-letter exchange (confirmed, mandatory), then ack the original.
@@ -931,13 +936,7 @@ class AmqpTransport(Transport):
             delivery.nack(requeue=True)
             return
         except (*_CONNECTION_ERRORS, _PublishRefused) as err:
-            log.error(
-                "could not store a dead letter (%s); the original stays unacknowledged",
-                scrub(str(err), self.urls),
-                extra={"event": "amqp_dead_letter_failed", "reason": reason},
-            )
-            with contextlib.suppress(Departed):  # not the handler's business: ``process`` raises it next
-                self._reconnect(err)
+            self._dead_letters_lost(err, "a dead letter", reason)
             return
         if generation == self._generation:
             delivery.ack()
