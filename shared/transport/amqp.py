@@ -686,8 +686,12 @@ class AmqpTransport(Transport):
             try:
                 ch = self._batch_channel()
                 self._returned.clear()
+                # the channel's own publish, not BlockingChannel's: that one flushes the socket
+                # after every message (a poll and a send each); the commit below flushes them all
+                # in order, then waits for its reply
+                publish = ch._impl.basic_publish
                 for exchange, key, body, props in items:
-                    ch.basic_publish(exchange, key, body, props, mandatory=True)
+                    publish(exchange, key, body, props, mandatory=True)
                 ch.tx_commit()
                 break
             except (pika.exceptions.ChannelClosedByBroker, pika.exceptions.ChannelWrongStateError) as err:
