@@ -319,8 +319,9 @@ class ServiceBase:
             d.ack()
 
     def flush(self) -> None:
-        """Publish what ``send_soon`` / ``publish_soon`` queued, one batch per kind, in the order
-        they were queued; then ack the deliveries they answer."""
+        """Publish what ``send_soon`` / ``publish_soon`` queued, in the order it was queued: one
+        transaction for the persistent messages and one for the transient ones (updates); then ack
+        the deliveries they answer."""
         try:
             self._flush()
         finally:  # what a failed publish left queued (normally nothing)
@@ -332,24 +333,28 @@ class ServiceBase:
         if self.bundles_answers:
             self._bundle_answers()
         while self.outbox:
-            kind = self.outbox[0].kind
-            batch = [o for o in self.outbox if o.kind is kind]
-            self.outbox = [o for o in self.outbox if o.kind is not kind]
-            unroutable = self.publish_batch(kind, [(o.key, o.data, o.dense_bytes) for o in batch])
-            if unroutable:
+            # one broker transaction for every queued message stored alike (all but updates are
+            # persistent), in the order they were queued: what one turn sends together lands
+            # together or not at all (an aggregator's partial and the receipts of its updates)
+            transient = self.outbox[0].kind in TRANSIENT_KINDS
+            batch = [o for o in self.outbox if (o.kind in TRANSIENT_KINDS) is transient]
+            self.outbox = [o for o in self.outbox if (o.kind in TRANSIENT_KINDS) is not transient]
+            unroutable = self._publish_many([(o.kind, o.key, o.data, o.dense_bytes) for o in batch])
+            lost = [o for o in batch if o.key in unroutable]
+            for kind in dict.fromkeys(o.kind for o in lost):
                 # the same as a ``send`` raising Unroutable: nobody is bound for the key (a server
                 # that is gone); said, not silently dropped
                 self.log.error(
                     "%d %s messages had no queue to go to (%s)",
-                    sum(o.key in unroutable for o in batch),
+                    sum(o.kind is kind for o in lost),
                     kind.value,
-                    ", ".join(sorted(unroutable)),
+                    ", ".join(sorted({o.key for o in lost if o.kind is kind})),
                     extra={"event": "unroutable", "reason": kind.value},
                 )
             for o in batch:
                 for d in o.answers:
                     if o.key in unroutable:
-                        self.reject(d, "unroutable", f"no queue took its {kind.value} ({o.key!r})")
+                        self.reject(d, "unroutable", f"no queue took its {o.kind.value} ({o.key!r})")
                     else:
                         d.ack()
 
@@ -409,20 +414,33 @@ class ServiceBase:
 
         Returns the keys nobody was bound for (those messages were not delivered and are not counted).
         """
-        for key, _, _ in items:
+        return self._publish_many([(kind, key, data, dense) for key, data, dense in items])
+
+    def _publish_many(self, items: list[tuple[Kind, str, bytes, int]]) -> set[str]:
+        """``publish_batch`` of messages of any kinds stored alike (``TRANSIENT_KINDS``), in order."""
+        transient = {kind in TRANSIENT_KINDS for kind, _, _, _ in items}
+        if len(transient) > 1:
+            raise ValueError("one batch cannot mix transient and persistent messages")
+        for kind, key, _, _ in items:
             _check_route(kind, key)
         items = [
-            (k, self.peers.outgoing(k, data, exp=self.experiment, layouts=self.layouts), n)
-            for k, data, n in items
+            (kind, k, self.peers.outgoing(k, data, exp=self.experiment, layouts=self.layouts), n)
+            for kind, k, data, n in items
         ]
         unroutable = self.transport.publish_many(
-            [(key, data) for key, data, _ in items], transient=kind in TRANSIENT_KINDS
+            [(key, data) for _, key, data, _ in items], transient=transient == {True}
         )
-        labels = (self.experiment, self.algorithm, self.service, DIRECTION.get(kind, "control"), kind.value)
-        for key, data, dense in items:
+        for kind, key, data, dense in items:
             if key in unroutable:
                 metrics.UNROUTABLE.labels(self.experiment, self.service, kind.value).inc()
             else:
+                labels = (
+                    self.experiment,
+                    self.algorithm,
+                    self.service,
+                    DIRECTION.get(kind, "control"),
+                    kind.value,
+                )
                 self.bytes_published += len(data)
                 metrics.WIRE_BYTES.labels(*labels).inc(len(data))
                 metrics.MESSAGES.labels(*labels).inc()

@@ -462,12 +462,15 @@ def test_an_aggregator_holding_every_update_of_the_round_sends_it_unasked(
 def test_a_merged_update_whose_receipt_is_late_still_counts_with_its_bytes(
     tmp_path: Path, monkeypatch: Any
 ) -> None:
-    """An aggregator sends a partial ahead of its updates' receipts, so the server can hold merged
-    updates without their receipts for a moment. Here the receipts are held back past the round's
-    deadline: the merged updates count toward the quorum (the round flushes instead of ending
-    ``below-quorum`` and throwing them away), and the round ends only once their receipts are in,
-    with every device's bytes — the same rows as a run whose receipts were never late."""
+    """An aggregator sends a partial ahead of its updates' receipts. In one transaction on classic
+    queues, but one confirm each on quorum queues, so there the server can hold merged updates
+    without their receipts for a moment. Here the receipts are held back past the round's
+    deadline (the partial alone is published): the merged updates count toward the quorum (the
+    round flushes instead of ending ``below-quorum`` and throwing them away), and the round ends
+    only once their receipts are in, with every device's bytes — the same rows as a run whose
+    receipts were never late."""
     from services.aggregator.service import Aggregator
+    from services.common import ServiceBase
     from services.server.round import Phase
 
     overrides: dict[str, Any] = {"rounds": 2, "round_timeout_s": 3.0, "processes": {"aggregators": 1}}
@@ -485,6 +488,7 @@ def test_a_merged_update_whose_receipt_is_late_still_counts_with_its_bytes(
             # the partial went; its receipts wait until the deadline has passed and the server
             # flushes (which it does only if the merged updates count toward the quorum)
             held_back.append(rs.number)
+            ServiceBase.flush(self)  # what is queued (the partial), not the receipts
             return
         flush(self)
 
@@ -502,3 +506,60 @@ def test_a_merged_update_whose_receipt_is_late_still_counts_with_its_bytes(
         return [{k: d[k] for k in columns} for d in csv.DictReader((run / "devices.csv").open())]
 
     assert devices(tmp_path / "late") == devices(tmp_path / "clean")
+
+
+def test_a_partial_and_its_receipts_are_published_in_one_batch(tmp_path: Path) -> None:
+    """Every partial an aggregator publishes goes in one ``publish_many`` (one broker transaction
+    on classic queues) with the receipts of the updates in it that are not out yet (a turn that
+    ends publishes the receipts it has): a crash cannot land a partial without its receipts.
+    Before, the partial was a confirmed publish of its own and its receipts followed."""
+    from shared.schemas import Kind, Partial, Receipts, decode
+
+    cfg = load_config(
+        write_config(
+            tmp_path / "c.yaml",
+            rounds=3,
+            num_devices=12,
+            devices_per_round=12,
+            quorum_fraction=1.0,
+            processes={"aggregators": 2, "clients": 2, "prefetch": 4},
+        )
+    )
+    cluster = InprocCluster(Experiment.build(cfg), tmp_path / "run", "one-tx", aggregators=2, clients=2)
+    batches: list[tuple[str, list[tuple[Any, Any]]]] = []
+    for agg in cluster.aggregators:
+        publish, publish_many = agg.transport.publish, agg.transport.publish_many
+
+        def lone(
+            key: str,
+            body: bytes,
+            headers: Any = None,
+            *,
+            transient: bool = False,
+            p: Any = publish,
+            a: Any = agg,
+        ) -> None:
+            batches.append((a.aggregator_id, [decode(body, max_bytes=1 << 26)]))
+            p(key, body, headers, transient=transient)
+
+        def many(items: Any, *, transient: bool = False, p: Any = publish_many, a: Any = agg) -> set[str]:
+            batches.append((a.aggregator_id, [decode(body, max_bytes=1 << 26) for _, body in items]))
+            return p(items, transient=transient)
+
+        agg.transport.publish = lone  # type: ignore[method-assign]
+        agg.transport.publish_many = many  # type: ignore[method-assign]
+    assert cluster.run(max_steps=500_000) == 0
+    assert [r["outcome"] for r in cluster.server.rows] == ["completed"] * 3
+    partials = 0
+    receipted: dict[tuple[str, int], set[int]] = {}  # (aggregator, round) → devices receipted so far
+    for agg_id, batch in batches:
+        for env, body in batch:
+            if env.kind is Kind.RECEIPTS:
+                assert isinstance(body, Receipts)
+                receipted.setdefault((agg_id, env.round), set()).update(r.device_id for r in body.receipts)
+        for env, body in batch:
+            if env.kind is Kind.PARTIAL:
+                assert isinstance(body, Partial)
+                partials += 1
+                assert set(body.devices) <= receipted.get((agg_id, env.round), set()), (agg_id, env.round)
+    assert partials >= 6  # at least one per aggregator and round

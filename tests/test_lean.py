@@ -349,12 +349,12 @@ def test_held_updates_wait_on_disk_and_go_out_unchanged(
             uploaded.append(data)
         return publish_raw(self, key, kind, data, dense_bytes=dense_bytes)
 
-    publish_batch = ServiceBase.publish_batch
+    publish_many = ServiceBase._publish_many
 
-    def batch(self: ServiceBase, kind: Kind, items: list[tuple[str, bytes, int]]) -> set[str]:
-        if kind is Kind.UPDATE:  # in virtual time a turn's uploads go out together (``publish_soon``)
-            uploaded.extend(data for _, data, _ in items)
-        return publish_batch(self, kind, items)
+    def batch(self: ServiceBase, items: list[tuple[Kind, str, bytes, int]]) -> set[str]:
+        # in virtual time a turn's uploads go out together (``publish_soon``)
+        uploaded.extend(data for kind, _, data, _ in items if kind is Kind.UPDATE)
+        return publish_many(self, items)
 
     def look() -> None:
         for client in cluster.clients:
@@ -364,7 +364,7 @@ def test_held_updates_wait_on_disk_and_go_out_unchanged(
                 written.setdefault((client.client_id, held.slot), client.spool.read(held.slot))
 
     monkeypatch.setattr(ServiceBase, "publish_raw", publish)
-    monkeypatch.setattr(ServiceBase, "publish_batch", batch)
+    monkeypatch.setattr(ServiceBase, "_publish_many", batch)
     try:
         assert cluster.run(on_step=look, max_steps=200_000) == 0
     finally:

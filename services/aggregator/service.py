@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from services.common import MessageHandler, ServiceBase, decode_tensors, encode_tensors
+from services.common import MessageHandler, ServiceBase, _Outgoing, decode_tensors, encode_tensors
 from shared import codec, metrics
 from shared.algorithms.base import Partial, Strategy, UpdateSpec
 from shared.codec import tensorset
@@ -48,6 +48,7 @@ from shared.schemas import (
     Receipts,
     RoundOpen,
     Update,
+    encode,
     task_key,
     verify,
 )
@@ -413,7 +414,12 @@ class Aggregator(ServiceBase):
         for (round, inc), receipts in held.items():
             for i in range(0, len(receipts), MAX_RECEIPTS):
                 chunk = Receipts(receipts=receipts[i : i + MAX_RECEIPTS])
-                self.send_soon(KEY_SERVER, Kind.RECEIPTS, chunk, round=round, inc=inc)
+                data = encode(
+                    Kind.RECEIPTS, chunk, exp=self.experiment, round=round, sender=self.service, inc=inc
+                )
+                # queued, not ``send_soon``: a full outbox would publish it (and a partial before it)
+                # without the receipts still to come
+                self.outbox.append(_Outgoing(Kind.RECEIPTS, KEY_SERVER, data))
         super().flush()
 
     def _send_batch(self) -> None:
@@ -427,33 +433,41 @@ class Aggregator(ServiceBase):
         Why the partial first: the server finishes a round once every selected device is accounted
         for, every receipted update merged and every merged update receipted. Receipts first, the
         last ones would find their partial still on its way and start a flush (a round trip to
-        every aggregator) that the partial then makes moot. For the moment between the two, the
-        server holds merged updates without their receipts, and waits for them before it finishes
-        the round (``RoundState.settled``): the receipt carries the device's bytes, timings and
-        metrics. The updates are acked only on the partial's decision, which this process handles
-        after both went out, so a crash in between redelivers them, and another aggregator
-        receipts them again (its singleton partial is refused as a duplicate)."""
+        every aggregator) that the partial then makes moot. The server waits for the receipts of
+        merged updates before it finishes the round (``RoundState.settled``): a receipt carries the
+        device's bytes, timings and metrics.
+
+        Why one transaction: published apart, a crash between the partial and its receipts left
+        the server holding merged updates whose receipts would come only from the aggregator that
+        gets them redelivered, and with no other aggregator the round waited for its flush
+        deadline. On classic queues both now land or neither does (then the updates are
+        redelivered and merged again). Quorum queues take one confirm per message
+        (``AmqpTransport.publish_many``), in the same order, so there the gap remains. The updates
+        are acked only on the partial's decision, so a crash before it redelivers them, and another
+        aggregator receipts them again (its singleton partial is refused as a duplicate)."""
         self.seq += 1
         self.pending[self.seq] = batch
         tensors, scalars = batch.partial.to_wire()
         encoded, dense = encode_tensors(tensors)
-        self.send(
-            KEY_SERVER,
+        body = PartialMsg(
+            aggregator_id=self.aggregator_id,
+            seq=self.seq,
+            devices=batch.devices,
+            singleton=batch.singleton,
+            tensors=encoded,
+            scalars=scalars,
+        )
+        data = encode(
             Kind.PARTIAL,
-            PartialMsg(
-                aggregator_id=self.aggregator_id,
-                seq=self.seq,
-                devices=batch.devices,
-                singleton=batch.singleton,
-                tensors=encoded,
-                scalars=scalars,
-            ),
+            body,
+            exp=self.experiment,
             round=self.round,
+            sender=self.service,
             inc=self.inc,
-            dense_bytes=dense,
             known=self.round_layouts,
         )
-        self.flush()
+        self.outbox.append(_Outgoing(Kind.PARTIAL, KEY_SERVER, data, dense))
+        self.flush()  # the partial, then the receipts: one transaction
 
 
 def _values(t: codec.Tensor) -> np.ndarray:
