@@ -1,6 +1,6 @@
 """Round wall time at N devices per round, next to the compute floor of the same training.
 
-Usage: ``python benchmarks/bench_rounds.py [--sizes 10 50] [--rounds 12] [--clients 2] [--aggregators 1]
+Usage: ``python benchmarks/bench_rounds.py [--sizes 10 50] [--rounds 40] [--clients 2] [--aggregators 1]
 [--transports amqp inproc] [--out FILE]``; ``run()`` returns the markdown table for ``results.md``.
 
 Why a floor: a framework's overhead only means something next to the work it carries. The *compute
@@ -23,6 +23,9 @@ the last 297 for test, MLP 64-128-64-10, 1 local epoch, batch 32, SGD lr 0.05.
 
 Round 1 of every series is a warm-up (lazy torch initialisation, first connections, page faults)
 and is skipped; the median and the 90th percentile (linear interpolation) are over the rest.
+Why 40 rounds by default (12 before): a round at N = 50 takes about 0.1 s, so 11 measured rounds
+spanned about a second, and a short stretch of other load on the machine could take a good part
+of them; 39 cost a few seconds more per run.
 ``round_seconds`` in ``rounds.csv`` runs from the start of a round's open (selection, then publishing
 every task) to its finalize (evaluation included); the results CSV and the checkpoint written between
 rounds are not in it. The ``cycle`` column, the difference of consecutive ``wall_seconds``, adds them.
@@ -485,7 +488,7 @@ def run(
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--sizes", type=int, nargs="+", default=[10, 50], help="devices per round")
-    parser.add_argument("--rounds", type=int, default=12, help="rounds per run (round 1 is skipped)")
+    parser.add_argument("--rounds", type=int, default=40, help="rounds per run (round 1 is skipped)")
     parser.add_argument("--clients", type=int, default=2, help="client processes")
     parser.add_argument("--aggregators", type=int, default=1, help="aggregator processes")
     parser.add_argument("--transports", nargs="+", choices=TRANSPORTS, default=list(TRANSPORTS))

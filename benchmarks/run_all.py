@@ -3,7 +3,7 @@
 ``make bench`` calls this.
 
 Usage: ``python benchmarks/run_all.py --out benchmarks/results.md
-[--only codec mac envelope recv rounds transfer broker checkpoint] [--rounds 12] [--clients 2]
+[--only codec mac envelope recv rounds transfer broker checkpoint] [--rounds 40] [--clients 2]
 [--aggregators 1] [--runs-dir runs]``.
 
 Why one report that starts with its own provenance: benchmark numbers are only comparable with the
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--out", type=Path, required=True, help="the markdown report to write")
     parser.add_argument("--only", nargs="+", choices=BENCHMARKS, default=list(BENCHMARKS))
-    parser.add_argument("--rounds", type=int, default=12, help="rounds per fedfleet run (round 1 skipped)")
+    parser.add_argument("--rounds", type=int, default=40, help="rounds per fedfleet run (round 1 skipped)")
     parser.add_argument("--clients", type=int, default=2, help="client processes in the rounds benchmark")
     parser.add_argument("--aggregators", type=int, default=1, help="aggregator processes (rounds)")
     parser.add_argument("--runs-dir", type=Path, default=REPO / "runs", help="where benchmark runs are kept")
