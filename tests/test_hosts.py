@@ -151,3 +151,61 @@ def test_the_device_store_replaces_a_devices_files(tmp_path: Path) -> None:
     store.save(3, {"spafl-1.npz": b"one", "spafl.first": b"1"})
     store.save(3, {"spafl-2.npz": b"two", "spafl.first": b"1"})
     assert store.load(3) == {"spafl-2.npz": b"two", "spafl.first": b"1"}
+
+
+class _Admin:
+    """Stands in for RabbitMQ's management API (``shared.provision.BrokerAdmin``): records the users."""
+
+    def __init__(self) -> None:
+        self.users: set[str] = set()
+
+    def create_host_user(self, experiment: str, host_id: str, password: str) -> str:
+        self.users.add(host_id)
+        return f"fedfleet-host-{host_id}"
+
+    def delete_host(self, experiment: str, host_id: str) -> None:
+        self.users.discard(host_id)
+
+
+def test_a_host_killed_between_its_join_answer_and_its_first_heartbeat_loses_its_broker_user(
+    tmp_path: Path,
+) -> None:
+    """A host user the server made lives as long as its host heartbeats. One whose host never did
+    (a SIGKILL right after the join answer) is deleted once ``FIRST_HEARTBEAT_GRACE_S`` has passed:
+    before, it lived, with its permissions, until the run's end; one whose host heartbeats stays."""
+    import time
+    from typing import Any
+
+    from services.server.service import FIRST_HEARTBEAT_GRACE_S, Server
+    from shared.config import load_config
+    from shared.experiment import Experiment
+    from shared.schemas import Join, Kind, decode, encode
+    from shared.transport import KEY_JOIN, Delivery
+    from shared.transport.inproc import InprocBroker, InprocTransport
+    from tests.conftest import write_config
+
+    cfg = load_config(write_config(tmp_path / "c.yaml"))
+    admin = _Admin()
+    (tmp_path / "run").mkdir()
+    transport = InprocTransport(InprocBroker(), "joins", "fedfleet-server")
+    server = Server(transport, Experiment.build(cfg), tmp_path / "run", experiment_id="joins", admin=admin)  # type: ignore[arg-type]
+    replies: list[Any] = []
+    server.transport.publish_reply = lambda reply_to, body: replies.append(decode(body, max_bytes=1 << 20)[1])  # type: ignore[method-assign]
+    for hint in ("killed", "alive"):
+        data = encode(Kind.JOIN, Join(hint=hint), exp="joins", round=0, sender="")
+        env, msg = decode(data, max_bytes=1 << 20, exp="joins")
+        server.on_join(
+            env,
+            msg,
+            Delivery(body=data, routing_key=KEY_JOIN, redelivered=False, reply_to="amq.rabbitmq.reply-to.x"),
+        )
+    killed, alive = (r.host_id for r in replies)
+    assert admin.users == {killed, alive}
+    now = time.time()
+    server._check_hosts(now + FIRST_HEARTBEAT_GRACE_S / 2)
+    assert admin.users == {killed, alive}  # a host may take a while to connect and heartbeat
+    late = now + FIRST_HEARTBEAT_GRACE_S + 1
+    server.leases.table.heartbeat(alive, late)
+    server._check_hosts(late)
+    assert admin.users == {alive}
+    assert set(server.provisioned) == {alive}

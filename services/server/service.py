@@ -103,6 +103,10 @@ from shared.transport import (
 FLUSH_RETRY_S = 1.0
 #: how often an open round's ``round_open`` is repeated for aggregators that started after it
 ROUND_OPEN_REPEAT_S = 2.0
+#: how long a host that got a broker user may take to send its first heartbeat before the user is
+#: deleted: its broker connection may wait a minute or more (``services.cli._joining``, a broker
+#: node failing over), then it heartbeats at once
+FIRST_HEARTBEAT_GRACE_S = 120.0
 
 
 class Server(ServiceBase):
@@ -172,8 +176,10 @@ class Server(ServiceBase):
 
         #: gives joining hosts broker users of their own (None: hosts come with their users)
         self.admin = admin
-        #: hosts this server made a broker user for (deleted when they leave or expire)
-        self.provisioned: set[str] = set()
+        #: hosts this server made a broker user for, with when (deleted when they leave or expire,
+        #: or never heartbeat: ``_check_hosts``)
+        self.provisioned: dict[str, float] = {}
+        self.first_heartbeat_grace_s = FIRST_HEARTBEAT_GRACE_S
         transport.declare_queue(transport.names.server_queue, [KEY_SERVER, KEY_JOIN])
         transport.declare_queue(transport.names.updates_queue, [KEY_UPDATE])
         handlers = self._handlers()
@@ -261,7 +267,7 @@ class Server(ServiceBase):
             self.log.error("cannot make a broker user: %s", err, extra={"event": "provision_failed"})
             self.reject(d, "provision-failed", str(err))
             return
-        self.provisioned.add(host_id)
+        self.provisioned[host_id] = time.time()
         reply = encode(
             Kind.JOIN_REPLY,
             JoinReply(host_id=host_id, user=user, password=password),
@@ -280,7 +286,7 @@ class Server(ServiceBase):
     def _forget_host(self, host_id: str) -> None:
         """Delete the broker user (and queue) of a host that left or died."""
         if self.admin is not None and host_id in self.provisioned:
-            self.provisioned.discard(host_id)
+            del self.provisioned[host_id]
             try:
                 self.admin.delete_host(self.experiment, host_id)
             except ProvisionError as err:
@@ -449,6 +455,18 @@ class Server(ServiceBase):
         gone, left = self.leases.expire(now)
         for host in [*gone, *left]:
             self._forget_host(host.host_id)
+        known = self.leases.table.hosts
+        for host_id, made in list(self.provisioned.items()):
+            if host_id not in known and now - made > self.first_heartbeat_grace_s:
+                # killed between its join answer and its first heartbeat (the join's SIGTERM
+                # handler cannot help with a SIGKILL): nothing else would ever delete its user
+                self.log.warning(
+                    "host %s got a broker user %.0fs ago and never heartbeat; deleting the user",
+                    host_id,
+                    now - made,
+                    extra={"event": "host_never_started"},
+                )
+                self._forget_host(host_id)
         for host in gone:
             rs = self.rs
             if rs is None or self.phase not in (Phase.OPEN, Phase.FLUSHING, Phase.REPEATING):
