@@ -252,6 +252,35 @@ def test_no_handler_runs_inside_a_publish(broker_url: str, experiment_id: str) -
         t.close()
 
 
+def test_a_batch_published_inside_a_handler_sees_its_own_returns(broker_url: str, experiment_id: str) -> None:
+    """Services publish most batches from inside a consumer's handler (an aggregator's partial and
+    receipts, a host's updates), where pika dispatches no channel event (a nested dispatch). The
+    broker's returns of that batch must still be its own result, not left for the next batch to
+    report under its keys."""
+    q, out = f"ff.{experiment_id}.inbox", f"ff.{experiment_id}.out"
+    t = AmqpTransport(broker_url, experiment_id)
+    try:
+        t.declare_queue(q, ["inbox"])
+        t.declare_queue(out, ["out"])
+        results: list[set[str]] = []
+
+        def handler(d: Delivery) -> None:
+            results.append(t.publish_many([("out", b"task"), ("nobody", b"lost")]))
+            d.ack()
+
+        t.consume(q, handler, prefetch=1)
+        t.publish("inbox", b"go")
+        end = time.time() + 10
+        while not results and time.time() < end:
+            t.process(0.05)
+        assert results == [{"nobody"}]
+        assert t.publish_many([("out", b"next")]) == set()  # nothing of the first batch left over
+        assert t.queue_depth(out) == 2
+    finally:
+        t.delete_experiment([q, out])
+        t.close()
+
+
 # -- a replicated broker's needs (issue: queue type, several addresses, NACKs, cancels) ----------------
 def _management_queue(broker_url: str, queue: str) -> dict[str, Any]:
     """The queue as RabbitMQ's management API describes it (its type among other things)."""

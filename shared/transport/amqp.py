@@ -102,6 +102,8 @@ _PERMANENT = (403, 406)
 #: in the broker's memory until its commit
 DEAD_LETTER_BATCH = 512
 DEAD_LETTER_BATCH_BYTES = 16 << 20
+#: bytes of a transaction's messages held in memory before they are written to the socket
+TX_BUFFER_BYTES = 16 << 20
 
 QueueType = Literal["classic", "quorum"]
 QueueMode = Literal["default", "lazy"]
@@ -328,7 +330,7 @@ class AmqpTransport(Transport):
         self._tx: BlockingChannel | None = None
         self._tx_generation = -1
         self._returned: set[str] = set()
-        #: >0 while publishing: consumer deliveries are queued in ``_deferred`` instead of handled
+        #: >0 while a batch is published: deliveries a retry's pause pumps wait in ``_deferred``
         self._publishing = 0
         self._deferred: deque[tuple[Handler, Delivery]] = deque()
         #: set by ``winding_down``: a lost connection from then on ends the transport (``Departed``)
@@ -672,7 +674,10 @@ class AmqpTransport(Transport):
                 raise pika.exceptions.ConnectionWrongStateError("no connection")
             ch = self._conn.channel()
             ch.tx_select()
-            ch.add_on_return_callback(
+            # on the channel itself, not through BlockingChannel's event dispatch: a batch is often
+            # published from inside a consumer's handler, where pika dispatches nothing (a nested
+            # dispatch), so a return would be seen only by a later batch, and blamed on its keys
+            ch._impl.add_on_return_callback(
                 lambda _ch, method, _props, _body: self._returned.add(method.routing_key)
             )
             self._tx, self._tx_generation = ch, self._generation
@@ -680,18 +685,28 @@ class AmqpTransport(Transport):
 
     def _commit_batch(self, items: Sequence[tuple[str, str, bytes, BasicProperties]]) -> set[str]:
         """One transaction of ``(exchange, key, body, properties)`` publishes, returning the routing
-        keys the broker returned; a commit the broker fails (a leader election) is retried like a
-        NACK."""
+        keys the broker returned (they arrive before the commit's reply); a commit the broker
+        fails (a leader election) is retried like a NACK."""
+        self._publishing += 1  # a retry's pause pumps the connection: its deliveries wait
+        try:
+            return self._commit_batch_once(items)
+        finally:
+            self._publishing -= 1
+
+    def _commit_batch_once(self, items: Sequence[tuple[str, str, bytes, BasicProperties]]) -> set[str]:
         for attempt in range(self.options.publish_retries + 1):
             try:
                 ch = self._batch_channel()
                 self._returned.clear()
                 # the channel's own publish, not BlockingChannel's: that one flushes the socket
                 # after every message (a poll and a send each); the commit below flushes them all
-                # in order, then waits for its reply
-                publish = ch._impl.basic_publish
+                # in order, then waits for its reply. Past TX_BUFFER_BYTES waiting the socket takes
+                # them now: a fan-out of one large payload to many hosts holds a copy per host
+                publish, impl = ch._impl.basic_publish, ch.connection._impl
                 for exchange, key, body, props in items:
                     publish(exchange, key, body, props, mandatory=True)
+                    if impl._get_write_buffer_size() > TX_BUFFER_BYTES:
+                        ch._flush_output()
                 ch.tx_commit()
                 break
             except (pika.exceptions.ChannelClosedByBroker, pika.exceptions.ChannelWrongStateError) as err:
@@ -708,12 +723,6 @@ class AmqpTransport(Transport):
                     extra={"event": "amqp_publish_retry", "reason": "channel-closed"},
                 )
                 self._conn.sleep(0.05 * 2 ** min(attempt, 4))
-        assert self._conn is not None
-        self._publishing += 1
-        try:  # dispatch the basic.return callbacks; consumer deliveries are deferred
-            self._conn.process_data_events(0)
-        finally:
-            self._publishing -= 1
         return set(self._returned)
 
     def publish_many(self, items: Sequence[tuple[str, bytes]], *, transient: bool = False) -> set[str]:
