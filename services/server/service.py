@@ -104,9 +104,10 @@ FLUSH_RETRY_S = 1.0
 #: how often an open round's ``round_open`` is repeated for aggregators that started after it
 ROUND_OPEN_REPEAT_S = 2.0
 #: how long a host that got a broker user may take to send its first heartbeat before the user is
-#: deleted: its broker connection may wait a minute or more (``services.cli._joining``, a broker
-#: node failing over), then it heartbeats at once
-FIRST_HEARTBEAT_GRACE_S = 120.0
+#: deleted: its broker connection may wait out its whole reconnect budget
+#: (``FEDFLEET_RECONNECT_BUDGET_S``, 120 s by default: a broker node failing over), then it
+#: heartbeats at once; a backlog in the server's queue may delay that heartbeat further
+FIRST_HEARTBEAT_GRACE_S = 300.0
 
 
 class Server(ServiceBase):
