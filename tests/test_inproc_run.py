@@ -400,6 +400,22 @@ def _partials_sent(monkeypatch: Any) -> list[tuple[int, int, int]]:
     return sent
 
 
+def _windowed(tmp_path: Path, *, aggregators: int, name: str) -> InprocCluster:
+    """3 rounds of all 12 devices, 2 hosts and ``aggregators`` aggregators with a prefetch window of 4."""
+    processes = {"aggregators": aggregators, "clients": 2, "prefetch": 4}
+    cfg = load_config(
+        write_config(
+            tmp_path / "c.yaml",
+            rounds=3,
+            num_devices=12,
+            devices_per_round=12,
+            quorum_fraction=1.0,
+            processes=processes,
+        )
+    )
+    return InprocCluster(Experiment.build(cfg), tmp_path / "run", name, aggregators=aggregators, clients=2)
+
+
 def test_an_aggregator_sends_no_partial_while_one_awaits_its_decision(
     tmp_path: Path, monkeypatch: Any
 ) -> None:
@@ -409,17 +425,7 @@ def test_an_aggregator_sends_no_partial_while_one_awaits_its_decision(
     model's decode and merge. Here 12 devices a round, one aggregator, a window of 4: partials of
     3 updates (the last may be smaller), every round complete, every update merged once."""
     sent = _partials_sent(monkeypatch)
-    cfg = load_config(
-        write_config(
-            tmp_path / "c.yaml",
-            rounds=3,
-            num_devices=12,
-            devices_per_round=12,
-            quorum_fraction=1.0,
-            processes={"aggregators": 1, "clients": 2, "prefetch": 4},
-        )
-    )
-    cluster = InprocCluster(Experiment.build(cfg), tmp_path / "run", "held", aggregators=1, clients=2)
+    cluster = _windowed(tmp_path, aggregators=1, name="held")
     assert cluster.run(max_steps=200_000) == 0
     assert [r["participants"] for r in cluster.server.rows] == [12, 12, 12]
     assert [r["outcome"] for r in cluster.server.rows] == ["completed"] * 3
@@ -511,24 +517,15 @@ def test_a_merged_update_whose_receipt_is_late_still_counts_with_its_bytes(
 def test_a_partial_and_its_receipts_are_published_in_one_batch(tmp_path: Path) -> None:
     """Every partial an aggregator publishes goes in one ``publish_many`` (one broker transaction
     on classic queues) with the receipts of the updates in it that are not out yet (a turn that
-    ends publishes the receipts it has): a crash cannot land a partial without its receipts.
-    Before, the partial was a confirmed publish of its own and its receipts followed."""
+    ends publishes the receipts it has), the partial first: a crash cannot land a partial without
+    its receipts. Before, the partial was a confirmed publish of its own and its receipts followed."""
     from shared.schemas import Kind, Partial, Receipts, decode
 
-    cfg = load_config(
-        write_config(
-            tmp_path / "c.yaml",
-            rounds=3,
-            num_devices=12,
-            devices_per_round=12,
-            quorum_fraction=1.0,
-            processes={"aggregators": 2, "clients": 2, "prefetch": 4},
-        )
-    )
-    cluster = InprocCluster(Experiment.build(cfg), tmp_path / "run", "one-tx", aggregators=2, clients=2)
+    cluster = _windowed(tmp_path, aggregators=2, name="one-tx")
     batches: list[tuple[str, list[tuple[Any, Any]]]] = []
     for agg in cluster.aggregators:
         publish, publish_many = agg.transport.publish, agg.transport.publish_many
+        batching = [False]  # the in-process transport publishes a batch message by message
 
         def lone(
             key: str,
@@ -538,21 +535,37 @@ def test_a_partial_and_its_receipts_are_published_in_one_batch(tmp_path: Path) -
             transient: bool = False,
             p: Any = publish,
             a: Any = agg,
+            b: list[bool] = batching,
         ) -> None:
-            batches.append((a.aggregator_id, [decode(body, max_bytes=1 << 26)]))
+            if not b[0]:
+                batches.append((a.aggregator_id, [decode(body, max_bytes=1 << 26)]))
             p(key, body, headers, transient=transient)
 
-        def many(items: Any, *, transient: bool = False, p: Any = publish_many, a: Any = agg) -> set[str]:
+        def many(
+            items: Any,
+            *,
+            transient: bool = False,
+            p: Any = publish_many,
+            a: Any = agg,
+            b: list[bool] = batching,
+        ) -> set[str]:
             batches.append((a.aggregator_id, [decode(body, max_bytes=1 << 26) for _, body in items]))
-            return p(items, transient=transient)
+            b[0] = True
+            try:
+                return set(p(items, transient=transient))
+            finally:
+                b[0] = False
 
         agg.transport.publish = lone  # type: ignore[method-assign]
         agg.transport.publish_many = many  # type: ignore[method-assign]
     assert cluster.run(max_steps=500_000) == 0
     assert [r["outcome"] for r in cluster.server.rows] == ["completed"] * 3
-    partials = 0
+    partials: dict[int, int] = {}  # round → partials sent
     receipted: dict[tuple[str, int], set[int]] = {}  # (aggregator, round) → devices receipted so far
     for agg_id, batch in batches:
+        kinds = [env.kind for env, _ in batch]
+        if Kind.PARTIAL in kinds and Kind.RECEIPTS in kinds:
+            assert kinds.index(Kind.PARTIAL) < kinds.index(Kind.RECEIPTS), kinds  # the partial first
         for env, body in batch:
             if env.kind is Kind.RECEIPTS:
                 assert isinstance(body, Receipts)
@@ -560,6 +573,7 @@ def test_a_partial_and_its_receipts_are_published_in_one_batch(tmp_path: Path) -
         for env, body in batch:
             if env.kind is Kind.PARTIAL:
                 assert isinstance(body, Partial)
-                partials += 1
+                partials[env.round] = partials.get(env.round, 0) + 1
                 assert set(body.devices) <= receipted.get((agg_id, env.round), set()), (agg_id, env.round)
-    assert partials >= 6  # at least one per aggregator and round
+    # 12 updates a round, a window of 4: each round takes several partials
+    assert all(partials.get(r, 0) >= 2 for r in (1, 2, 3)), partials
