@@ -21,6 +21,7 @@ import pika
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pika.adapters.blocking_connection import BlockingChannel
 from prometheus_client import REGISTRY
 
 from shared.transport import BrokerUnavailable, Delivery, Unroutable
@@ -278,6 +279,41 @@ def test_a_batch_published_inside_a_handler_sees_its_own_returns(broker_url: str
         assert t.queue_depth(out) == 2
     finally:
         t.delete_experiment([q, out])
+        t.close()
+
+
+def test_a_batch_larger_than_the_write_buffer_is_stored_whole_with_its_returns(
+    broker_url: str, experiment_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past ``TX_BUFFER_BYTES`` waiting, a transaction's messages go to the socket before the commit
+    (a fan-out of one large payload to many hosts): the batch is still stored whole and in order,
+    and its returns are still its own."""
+    from shared.transport import amqp
+
+    monkeypatch.setattr(amqp, "TX_BUFFER_BYTES", 4096)
+    flushes = [0]
+    flush = BlockingChannel._flush_output
+
+    def counted(self: BlockingChannel, *waiters: Any) -> None:
+        flushes[0] += 1
+        flush(self, *waiters)
+
+    monkeypatch.setattr(BlockingChannel, "_flush_output", counted)
+    q = f"ff.{experiment_id}.out"
+    t = AmqpTransport(broker_url, experiment_id)
+    try:
+        t.declare_queue(q, ["out"])
+        bodies = [bytes([i]) * 3000 for i in range(12)]
+        items = [("out", b) for b in bodies[:6]] + [("nobody", b"lost")] + [("out", b) for b in bodies[6:]]
+        flushes[0] = 0
+        assert t.publish_many(items) == {"nobody"}
+        assert flushes[0] >= 6  # every second message, or so, went ahead of the commit
+        got: list[Delivery] = []
+        t.consume(q, _keep(got), prefetch=20)
+        _drain(t, got, 12)
+        assert [d.body for d in got] == bodies
+    finally:
+        t.delete_experiment([q])
         t.close()
 
 
