@@ -270,7 +270,9 @@ class ServiceBase:
         )
         return self.publish_raw(key, kind, data, dense_bytes=dense_bytes)
 
-    def send_soon(self, key: str, kind: Kind, body: Body, *, round: int, inc: str = "") -> None:
+    def send_soon(
+        self, key: str, kind: Kind, body: Body, *, round: int, inc: str = "", hold: bool = False
+    ) -> None:
         """``send``, but published with everything else queued during this turn of the loop, in one
         broker round trip (``flush``), instead of one confirm round trip per message.
 
@@ -278,13 +280,20 @@ class ServiceBase:
         which held its next update back by a broker round trip (issue 16's round profile: a third of
         the aggregator's time). Only for messages whose loss with this process is harmless: nothing
         is acknowledged on their account before ``flush`` (an aggregator acks updates when their
-        partial is decided, after the receipts went out).
+        partial is decided, after the receipts went out). ``hold``: as in ``publish_soon``.
         """
         data = encode(kind, body, exp=self.experiment, round=round, sender=self.service, inc=inc)
-        self.publish_soon(key, kind, data)
+        self.publish_soon(key, kind, data, hold=hold)
 
     def publish_soon(
-        self, key: str, kind: Kind, data: bytes, *, dense_bytes: int = 0, answers: Delivery | None = None
+        self,
+        key: str,
+        kind: Kind,
+        data: bytes,
+        *,
+        dense_bytes: int = 0,
+        answers: Delivery | None = None,
+        hold: bool = False,
     ) -> None:
         """``publish_raw`` at the next ``flush`` (at once when ``outbox_full``: by default when
         :data:`OUTBOX_LIMIT` messages wait).
@@ -293,6 +302,9 @@ class ServiceBase:
         is published, so a crash before that leaves the delivery to be redelivered and answered
         again (at least once, as with ``publish_raw`` then ack). If no queue took the message, the
         delivery is dead-lettered ``unroutable`` instead, as a handler raising ``Unroutable`` would.
+
+        ``hold``: never publish now, even with a full outbox: the caller queues messages that must
+        go in one transaction and flushes them itself (an aggregator's partial and its receipts).
 
         Why: a client host waited for one publisher confirm per update it uploaded, a broker round
         trip per device (issue 16's profile: a fifth of a client's time); this is one commit per
@@ -305,7 +317,7 @@ class ServiceBase:
         if answers is not None:
             self._answering.add(id(answers))
         self._uploads += kind is Kind.UPDATE
-        if self.outbox_full():
+        if not hold and self.outbox_full():
             self.flush()
 
     def outbox_full(self) -> bool:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from services.common import MessageHandler, ServiceBase, _Outgoing, decode_tensors, encode_tensors
+from services.common import MessageHandler, ServiceBase, decode_tensors, encode_tensors
 from shared import codec, metrics
 from shared.algorithms.base import Partial, Strategy, UpdateSpec
 from shared.codec import tensorset
@@ -414,12 +414,9 @@ class Aggregator(ServiceBase):
         for (round, inc), receipts in held.items():
             for i in range(0, len(receipts), MAX_RECEIPTS):
                 chunk = Receipts(receipts=receipts[i : i + MAX_RECEIPTS])
-                data = encode(
-                    Kind.RECEIPTS, chunk, exp=self.experiment, round=round, sender=self.service, inc=inc
-                )
-                # queued, not ``send_soon``: a full outbox would publish it (and a partial before it)
-                # without the receipts still to come
-                self.outbox.append(_Outgoing(Kind.RECEIPTS, KEY_SERVER, data))
+                # held: a full outbox would publish it (and a partial before it) without the
+                # receipts still to come
+                self.send_soon(KEY_SERVER, Kind.RECEIPTS, chunk, round=round, inc=inc, hold=True)
         super().flush()
 
     def _send_batch(self) -> None:
@@ -466,7 +463,7 @@ class Aggregator(ServiceBase):
             inc=self.inc,
             known=self.round_layouts,
         )
-        self.outbox.append(_Outgoing(Kind.PARTIAL, KEY_SERVER, data, dense))
+        self.publish_soon(KEY_SERVER, Kind.PARTIAL, data, dense_bytes=dense, hold=True)
         self.flush()  # the partial, then the receipts: one transaction
 
 
