@@ -577,3 +577,34 @@ def test_a_partial_and_its_receipts_are_published_in_one_batch(tmp_path: Path) -
                 assert set(body.devices) <= receipted.get((agg_id, env.round), set()), (agg_id, env.round)
     # 12 updates a round, a window of 4: each round takes several partials
     assert all(partials.get(r, 0) >= 2 for r in (1, 2, 3)), partials
+
+
+def test_a_rounds_payloads_and_tasks_are_published_in_one_batch(tmp_path: Path) -> None:
+    """A round's fan-out is one ``publish_many`` (one broker transaction on classic queues): each
+    host's payload, then the ``tasks`` that refer to it. Before, the payloads were a transaction of
+    their own and the tasks followed in a second one, whose commit the hosts waited for while they
+    decoded the payloads (``services/server/fanout.py``)."""
+    from shared.schemas import Kind, decode
+
+    cluster = _windowed(tmp_path, aggregators=1, name="fanout-tx")
+    server = cluster.server
+    calls: list[list[tuple[Kind, str]]] = []
+    publish_many = server.transport.publish_many
+
+    def many(items: Any, *, transient: bool = False) -> set[str]:
+        calls.append([(decode(body, max_bytes=1 << 26)[0].kind, key) for key, body in items])
+        return set(publish_many(items, transient=transient))
+
+    server.transport.publish_many = many  # type: ignore[method-assign]
+    assert cluster.run(max_steps=200_000) == 0
+    assert [r["outcome"] for r in server.rows] == ["completed"] * 3
+    fanouts = [c for c in calls if any(kind in (Kind.PAYLOAD, Kind.TASKS) for kind, _ in c)]
+    assert len(fanouts) == 3, [[k.value for k, _ in c] for c in calls]  # one per round, nothing else
+    for call in fanouts:
+        kinds = [kind for kind, _ in call]
+        hosts = {key for _, key in call}
+        assert len(hosts) == 2, call  # both hosts serve devices of every round
+        for host in hosts:
+            # this host's payload, then its tasks
+            assert [k for k, key in call if key == host] == [Kind.PAYLOAD, Kind.TASKS], call
+        assert kinds.index(Kind.TASKS) > max(i for i, k in enumerate(kinds) if k is Kind.PAYLOAD), kinds

@@ -113,41 +113,46 @@ def build(
     return out
 
 
+#: one message of a fan-out: (kind, routing key, data, dense bytes), as ``ServiceBase._publish_many`` takes it
+Item = tuple[Kind, str, bytes, int]
+
+
 def publish(
     fanout: Fanout,
-    publish_many: Callable[[Kind, list[tuple[str, bytes, int]]], set[str]],
+    publish_many: Callable[[list[Item]], set[str]],
     kind: Kind,
     *,
     batched: Callable[[str], bool] = lambda key: False,
     encode: Encode | None = None,
 ) -> set[str]:
-    """Send a fan-out: payloads first (a host's queue then holds each before the tasks that need
-    it), in one broker round trip each; returns the routing keys nobody was bound for.
+    """Send a fan-out in one broker round trip, payloads first (a host's queue then holds each
+    before the tasks that need it); returns the routing keys nobody was bound for.
+
+    Why one round trip: the payloads and the tasks went as two transactions, and the second one's
+    commit waited while the hosts were already decoding the first one's payloads, on the same two
+    cores: 2–12 ms between a host's payload and its tasks at 50 devices a round, during which no
+    device could train (``benchmarks/bench_rounds.py``; measured with timers around each commit).
+    Within one transaction the broker keeps the order of the messages bound for one queue.
 
     ``batched(routing key)``: does that host read ``tasks``? Its tasks then go as one
     ``tasks`` message per :data:`~shared.schemas.MAX_TASKS`, in the order of ``fanout.tasks``
     (encoded with ``encode``); the others one by one. Evaluation tasks (``kind`` evaluate) always
     go one by one: they are sent once per run.
     """
-    unroutable = set()
-    if fanout.payloads:
-        unroutable |= publish_many(Kind.PAYLOAD, [(key, data, 0) for _, key, data in fanout.payloads])
-    singles: list[tuple[str, bytes, int]] = []
+    items: list[Item] = [(Kind.PAYLOAD, key, data, 0) for _, key, data in fanout.payloads]
+    singles: list[Item] = []
     by_key: dict[str, list[Outgoing]] = {}
     for t in fanout.tasks:
         if kind is Kind.TASK and encode is not None and batched(t.routing_key):
             by_key.setdefault(t.routing_key, []).append(t)
         else:
-            singles.append((t.routing_key, t.data, t.dense_bytes))
+            singles.append((kind, t.routing_key, t.data, t.dense_bytes))
     if by_key:
         assert encode is not None
-        batches = []
         for key, outs in by_key.items():
             for i in range(0, len(outs), MAX_TASKS):
                 chunk = outs[i : i + MAX_TASKS]
                 data = encode(Kind.TASKS, Tasks(tasks=[t.body for t in chunk]))
-                batches.append((key, data, sum(t.dense_bytes for t in chunk)))
-        unroutable |= publish_many(Kind.TASKS, batches)
-    if singles:
-        unroutable |= publish_many(kind, singles)
-    return unroutable
+                items.append((Kind.TASKS, key, data, sum(t.dense_bytes for t in chunk)))
+    items += singles
+    return publish_many(items) if items else set()

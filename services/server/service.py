@@ -763,7 +763,7 @@ class Server(ServiceBase):
         batch = self.cfg.emulation.time_mode != "real"
         unroutable = fanout.publish(
             sending,
-            self.publish_batch,
+            self._publish_many,
             Kind.TASK,
             batched=lambda key: batch and self.peers.version_for(key) >= KIND_SINCE[Kind.TASKS],
             encode=lambda kind, body: encode(
@@ -1100,7 +1100,7 @@ class Server(ServiceBase):
         tasks = self.strategy.plan_evaluation(self.state, devices, self.registry)
         key = secrets.token_hex(16)
         out = self._fanout(Kind.EVALUATE, tasks, devices, key, self.round)
-        unroutable = fanout.publish(out, self.publish_batch, Kind.EVALUATE)
+        unroutable = fanout.publish(out, self._publish_many, Kind.EVALUATE)
         sent = [t for t in out.tasks if t.routing_key not in unroutable]
         for t in sent:
             self.ledger.eval_sent(t.device, t.device_bytes)
