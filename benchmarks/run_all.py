@@ -4,13 +4,13 @@
 
 Usage: ``python benchmarks/run_all.py --out benchmarks/results.md
 [--only codec mac envelope recv rounds transfer broker checkpoint] [--rounds 40] [--clients 2]
-[--aggregators 1] [--runs-dir runs]``.
+[--aggregators 1] [--rounds-repeats 3] [--runs-dir runs]``.
 
 Why one report that starts with its own provenance: benchmark numbers are only comparable with the
 command, the date and the machine (cores, CPU, and how busy it was: the load average at the start
 and the end) that produced them, so those lead the file. The report is written even when one
 benchmark fails (its section says why), so a broken broker does not hide the codec numbers.
-Takes 2-6 minutes on 2 cores (most of it in the ``fedfleet run`` subprocesses of the rounds
+Takes 4-9 minutes on 2 cores (most of it in the ``fedfleet run`` subprocesses of the rounds
 benchmark); a rich progress bar on stderr shows where it is.
 """
 
@@ -143,6 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=40, help="rounds per fedfleet run (round 1 skipped)")
     parser.add_argument("--clients", type=int, default=2, help="client processes in the rounds benchmark")
     parser.add_argument("--aggregators", type=int, default=1, help="aggregator processes (rounds)")
+    parser.add_argument(
+        "--rounds-repeats",
+        type=int,
+        default=3,
+        help="fedfleet runs of each transport at each size in the rounds benchmark (verdicts: their median)",
+    )
     parser.add_argument("--runs-dir", type=Path, default=REPO / "runs", help="where benchmark runs are kept")
     args = parser.parse_args(argv)
 
@@ -156,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         "envelope": 1,
         "recv": 1,
         "dead-letters": 1,
-        "rounds": bench_rounds.step_count((10, 50), bench_rounds.TRANSPORTS),
+        "rounds": bench_rounds.step_count((10, 50), bench_rounds.TRANSPORTS, args.rounds_repeats),
         "transfer": bench_transfer.step_count(),
         "broker": bench_broker.step_count(),
         "checkpoint": 1,
@@ -204,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                 aggregators=args.aggregators,
                 runs_dir=args.runs_dir,
                 progress=say,
+                repeats=args.rounds_repeats,
             ),
         ),
         "transfer": (
