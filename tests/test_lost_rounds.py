@@ -142,20 +142,20 @@ def _lose_tasks(cluster: InprocCluster, number: int, attempts: set[int]) -> list
     """Make the broker lose round ``number``'s tasks and payloads in ``attempts``: the publish is
     confirmed, nothing reaches a host. Returns the list the attempts that lost them are added to."""
     server = cluster.server
-    publish = server.publish_batch
+    publish = server._publish_many
     hit: list[int] = []
+    lose = (Kind.TASK, Kind.TASKS, Kind.PAYLOAD)
 
-    def lossy(kind: Kind, items: list[tuple[str, bytes, int]]) -> set[str]:
+    def lossy(items: list[tuple[Kind, str, bytes, int]]) -> set[str]:
         rs = server.rs
-        ours = rs is not None and rs.number == number and rs.attempt in attempts
-        if ours and kind in (Kind.TASK, Kind.TASKS, Kind.PAYLOAD):
-            assert rs is not None
-            if kind is not Kind.PAYLOAD:
-                hit.append(rs.attempt)
-            return set()
-        return publish(kind, items)
+        if rs is None or rs.number != number or rs.attempt not in attempts:
+            return publish(items)
+        if any(kind in (Kind.TASK, Kind.TASKS) for kind, _, _, _ in items):
+            hit.append(rs.attempt)
+        kept = [item for item in items if item[0] not in lose]
+        return publish(kept) if kept else set()
 
-    server.publish_batch = lossy  # type: ignore[method-assign]
+    server._publish_many = lossy  # type: ignore[method-assign]
     return hit
 
 
@@ -269,17 +269,19 @@ def test_a_device_that_leaves_its_host_while_its_task_waits_for_the_payload_is_n
     monkeypatch.setattr(Client, "on_payload", leave_first)
     cluster = _cluster(tmp_path, "moved")
     server = cluster.server
-    publish = server.publish_batch
+    publish = server._publish_many
     lost: list[int] = []
 
-    def no_payload(kind: Kind, items: list[tuple[str, bytes, int]]) -> set[str]:
+    def no_payload(items: list[tuple[Kind, str, bytes, int]]) -> set[str]:
         rs = server.rs
-        if kind is Kind.PAYLOAD and rs is not None and rs.number == 2 and not lost:
-            lost.append(len(items))
-            return set()
-        return publish(kind, items)
+        payloads = [item for item in items if item[0] is Kind.PAYLOAD]
+        if payloads and rs is not None and rs.number == 2 and not lost:
+            lost.append(len(payloads))
+            kept = [item for item in items if item[0] is not Kind.PAYLOAD]
+            return publish(kept) if kept else set()
+        return publish(items)
 
-    server.publish_batch = no_payload  # type: ignore[method-assign]
+    server._publish_many = no_payload  # type: ignore[method-assign]
     rejected: list[tuple[str, str]] = []
     trained: list[tuple[int, int]] = []
     for client in cluster.clients:

@@ -12,7 +12,7 @@ tasks of the round as one ``tasks`` message (:class:`~shared.schemas.Tasks`), no
 The emulation is unchanged: a device is charged the bytes its real counterpart would download — its
 task plus the payload, as one message (``Outgoing.device_bytes``) — so budgets, timings and the
 communication-cost figures do not depend on how the emulator moves bytes. What crossed the broker is
-counted separately, as it is published (``ServiceBase.publish_batch``).
+counted separately, as it is published (``ServiceBase._publish_many``).
 """
 
 from __future__ import annotations
@@ -125,14 +125,17 @@ def publish(
     batched: Callable[[str], bool] = lambda key: False,
     encode: Encode | None = None,
 ) -> set[str]:
-    """Send a fan-out in one broker round trip, payloads first (a host's queue then holds each
-    before the tasks that need it); returns the routing keys nobody was bound for.
+    """Send a fan-out in one ``publish_many``, payloads first (a host's queue then holds each
+    before the tasks that need it); returns the routing keys nobody was bound for. On classic
+    queues that is one transaction, one broker round trip; quorum queues take a confirm per
+    message, in the same order (``AmqpTransport.publish_many``).
 
-    Why one round trip: the payloads and the tasks went as two transactions, and the second one's
-    commit waited while the hosts were already decoding the first one's payloads, on the same two
-    cores: 2–12 ms between a host's payload and its tasks at 50 devices a round, during which no
-    device could train (``benchmarks/bench_rounds.py``; measured with timers around each commit).
-    Within one transaction the broker keeps the order of the messages bound for one queue.
+    Why one: the payloads and the tasks went as two transactions, and the hosts got their tasks
+    only after the second commit, which took the server 2–12 ms at 50 devices a round while the
+    hosts were already decoding the payloads on the same two cores. From a round's open to a host's
+    tasks took 7.6–8.4 ms before and 6.2–7.9 ms after (median per run, four paired runs of
+    ``benchmarks/bench_rounds.py --sizes 50`` with timers at both ends). Within one transaction the
+    broker keeps the order of the messages bound for one queue.
 
     ``batched(routing key)``: does that host read ``tasks``? Its tasks then go as one
     ``tasks`` message per :data:`~shared.schemas.MAX_TASKS`, in the order of ``fanout.tasks``
