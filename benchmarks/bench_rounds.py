@@ -16,9 +16,9 @@ default transport), the median round takes at most 3x the floor.
 The floor is measured before the ``fedfleet run`` measurements of the same N and again after each
 round of them (each transport once), and the fastest is used. Why: on this 2-core machine one floor
 measurement came out 50 % slower than the five others of the same afternoon (0.079 s against
-0.050–0.059 s at N = 50), and every ratio against it looked that much better; on another VM the same
-loop's median moved between 0.039 and 0.064 s within an hour. The fastest floor can only make a
-ratio worse.
+0.050–0.059 s at N = 50), and every ratio against it looked that much better; on a 2-core Intel
+Xeon VM the four floors of one ``make bench`` had medians of 0.057, 0.043, 0.065 and 0.044 s
+(``benchmarks/results.md`` at 241f45c). The fastest floor can only make a ratio worse.
 
 The workload is fixed because peers are measured on it: digits, the first 1,500 samples for training
 split IID over N devices (N = devices per round = fleet size, so every device trains every round),
@@ -208,11 +208,12 @@ def measure_floor_pair(n: int, rounds: int) -> list[Series]:
     Why: the floor runs alone on one core, while a run's two client processes train side by side
     next to the aggregator and the broker. Where two cores share one physical core, a memory bus or
     a busy host, each of two loops runs slower than one alone, and a run's training costs that much
-    more CPU than the floor's, which no change to fedfleet can win back. On the 2-core VM of
-    2026-11-29, ``measure_floor(50, 30)`` in one process and then in two at once took 39 ms per
-    round alone and 65 ms in each of the two; minutes later, 64 ms alone and 47 / 62 ms in the two:
-    the host's load moves both. The report prints the pair next to the ratios, measured in the same
-    run, so that they can be read for the machine and the moment they came from.
+    more CPU than the floor's, which no change to fedfleet can win back. On a 2-core Intel Xeon VM
+    on 2026-11-29, ``measure_floor(50, 30)`` run by hand in one process and then in two at once
+    took 39 ms per round alone and 65 ms in each of the two; minutes later, 64 ms alone and
+    47 / 62 ms in the two: the host's load moves both. The report prints the pair next to the
+    ratios, measured in the same run, so that they can be read for the machine and the moment they
+    came from.
     Spawned, not forked: torch's thread pools must not be inherited (``services/zygote.py``).
     """
     import multiprocessing
@@ -453,10 +454,11 @@ def run(
         measured: list[tuple[str, Series | str]] = []
         for rep in range(1, repeats + 1):
             for transport in transports:
-                of = f" (run {rep} of {repeats})" if repeats > 1 else ""
-                say(f"rounds: fedfleet run --transport {transport} at N={n}{of}")
+                which = f" (run {rep} of {repeats})" if repeats > 1 else ""
+                say(f"rounds: fedfleet run --transport {transport} at N={n}{which}")
                 if transport == "amqp" and not amqp_ok:
-                    measured.append((transport, "skipped: no broker reachable"))
+                    if rep == 1:
+                        measured.append((transport, "skipped: no broker reachable"))
                     continue
                 try:
                     series = run_fedfleet(
@@ -473,7 +475,7 @@ def run(
                     measured.append((transport, series))
                 except RuntimeError as err:
                     measured.append((transport, f"failed: {err}"))
-            say(f"rounds: floor at N={n} again")
+            say(f"rounds: floor at N={n} again (after round {rep} of runs)")
             floors.append(measure_floor(n, rounds))
         say(f"rounds: floor at N={n}, two at once")
         try:
@@ -553,11 +555,13 @@ def run(
                 at_target[transport] = median
             if n == TARGET_N and transport == "amqp":
                 ok = ratio <= TARGET_RATIO
-                of = f", the median of {len(runs)} runs' medians" if len(runs) > 1 else ""
+                failed = repeats - len(runs)
+                basis = f", the median of {len(runs)} runs' medians" if len(runs) > 1 else ""
+                basis += f"; {failed} of {repeats} runs failed" if failed else ""
                 verdicts.append(
                     f"**Target (N={TARGET_N}, amqp, median round <= {TARGET_RATIO:g}x floor): "
                     f"{'met' if ok else 'MISSED'}** — {ratio:.2f}x "
-                    f"({median:.3f} s{of}, vs floor {floor.median:.3f} s)."
+                    f"({median:.3f} s{basis}, vs floor {floor.median:.3f} s)."
                 )
                 with_cpu = [r for r in runs if r.cpu_ms]
                 if with_cpu:
