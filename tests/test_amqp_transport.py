@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import functools
+import itertools
 import json
 import os
 import subprocess
@@ -311,6 +312,57 @@ def test_a_batch_larger_than_the_write_buffer_is_stored_whole_with_its_returns(
         got: list[Delivery] = []
         t.consume(q, _keep(got), prefetch=20)
         _drain(t, got, 12)
+        assert [d.body for d in got] == bodies
+    finally:
+        t.delete_experiment([q])
+        t.close()
+
+
+@given(st.lists(st.integers(0, 50), max_size=30), st.integers(1, 100))
+@settings(max_examples=200, deadline=None)
+def test_transaction_chunks_keep_order_and_stay_under_the_limit(sizes: list[int], limit: int) -> None:
+    """``_tx_chunks``: every message once, in order; a chunk passes ``limit`` only when it is one
+    message larger than the limit alone; no chunk is empty."""
+    from shared.transport.amqp import _tx_chunks
+
+    items = [(f"k{i}", b"x" * n) for i, n in enumerate(sizes)]
+    chunks = _tx_chunks(items, limit)
+    assert [item for chunk in chunks for item in chunk] == items
+    for chunk in chunks:
+        assert chunk
+        assert len(chunk) == 1 or sum(len(b) for _, b in chunk) <= limit
+    for a, b in itertools.pairwise(chunks):  # a chunk is cut only when the next message passes it
+        assert sum(len(x) for _, x in a) + len(b[0][1]) > limit
+
+
+def test_a_batch_past_the_transaction_limit_goes_as_several_in_order(
+    broker_url: str, experiment_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past ``TX_MAX_BYTES`` a batch is cut into several transactions (the broker holds a
+    transaction's messages in memory until its commit): every message is stored, in order, and the
+    returns of every transaction are reported."""
+    from shared.transport import amqp
+
+    monkeypatch.setattr(amqp, "TX_MAX_BYTES", 7000)
+    commits: list[int] = []
+    commit = AmqpTransport._commit_batch
+
+    def counted(self: AmqpTransport, items: Any) -> set[str]:
+        commits.append(len(items))
+        return commit(self, items)
+
+    monkeypatch.setattr(AmqpTransport, "_commit_batch", counted)
+    q = f"ff.{experiment_id}.out"
+    t = AmqpTransport(broker_url, experiment_id)
+    try:
+        t.declare_queue(q, ["out"])
+        bodies = [bytes([i]) * 3000 for i in range(7)]
+        items = [("out", b) for b in bodies[:5]] + [("nobody", b"lost")] + [("out", b) for b in bodies[5:]]
+        assert t.publish_many(items) == {"nobody"}
+        assert commits == [2, 2, 3, 1]  # at most 7,000 bytes each: the small "lost" fits beside two
+        got: list[Delivery] = []
+        t.consume(q, _keep(got), prefetch=20)
+        _drain(t, got, 7)
         assert [d.body for d in got] == bodies
     finally:
         t.delete_experiment([q])

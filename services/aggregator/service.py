@@ -438,7 +438,9 @@ class Aggregator(ServiceBase):
         the server holding merged updates whose receipts would come only from the aggregator that
         gets them redelivered, and with no other aggregator the round waited for its flush
         deadline. On classic queues both now land or neither does (then the updates are
-        redelivered and merged again). Quorum queues take one confirm per message
+        redelivered and merged again), as long as they fit in one transaction (``TX_MAX_BYTES``,
+        64 MiB: past it the partial goes in a transaction of its own, first). Quorum queues take
+        one confirm per message
         (``AmqpTransport.publish_many``), in the same order, so there the gap remains. The updates
         are acked only on the partial's decision, so a crash before it redelivers them, and another
         aggregator receipts them again (its singleton partial is refused as a duplicate)."""

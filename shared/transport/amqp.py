@@ -57,6 +57,7 @@ Reliability choices, each because a service relies on it:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import struct
 import time
@@ -104,6 +105,10 @@ DEAD_LETTER_BATCH = 512
 DEAD_LETTER_BATCH_BYTES = 16 << 20
 #: bytes of a transaction's messages held in memory before they are written to the socket
 TX_BUFFER_BYTES = 16 << 20
+#: bytes of messages one transaction holds at most: the broker keeps a transaction's messages in
+#: memory until its commit, so a larger batch (a fan-out of a large model to many hosts) goes as
+#: several transactions, in order
+TX_MAX_BYTES = 64 << 20
 
 QueueType = Literal["classic", "quorum"]
 QueueMode = Literal["default", "lazy"]
@@ -732,9 +737,12 @@ class AmqpTransport(Transport):
             return super().publish_many(items, transient=transient)
         props = BasicProperties(delivery_mode=self._delivery_mode(transient), user_id=self.user)
         exchange = self.names.exchange
-        return self._with_reconnect(
-            lambda: self._commit_batch([(exchange, key, body, props) for key, body in items])
-        )
+        unroutable: set[str] = set()
+        for chunk in _tx_chunks(items, TX_MAX_BYTES):
+            # each chunk retried on its own: one that committed is not published again
+            batch = [(exchange, key, body, props) for key, body in chunk]
+            unroutable |= self._with_reconnect(functools.partial(self._commit_batch, batch))
+        return unroutable
 
     # -- consuming -------------------------------------------------------------------------------
     def _start_consumer(self, queue: str, handler: Handler, prefetch: int) -> None:
@@ -1001,3 +1009,18 @@ class AmqpTransport(Transport):
 
     def close(self) -> None:
         self._safe_close()
+
+
+def _tx_chunks(items: Sequence[tuple[str, bytes]], limit: int) -> list[Sequence[tuple[str, bytes]]]:
+    """``items`` cut, in order, into runs of at most ``limit`` bytes of bodies (a larger message
+    alone): one transaction each."""
+    chunks: list[Sequence[tuple[str, bytes]]] = []
+    start, size = 0, 0
+    for i, (_, body) in enumerate(items):
+        if i > start and size + len(body) > limit:
+            chunks.append(items[start:i])
+            start, size = i, 0
+        size += len(body)
+    if start < len(items):
+        chunks.append(items[start:])
+    return chunks
