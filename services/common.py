@@ -304,7 +304,8 @@ class ServiceBase:
         delivery is dead-lettered ``unroutable`` instead, as a handler raising ``Unroutable`` would.
 
         ``hold``: never publish now, even with a full outbox: the caller queues messages that must
-        go in one transaction and flushes them itself (an aggregator's partial and its receipts).
+        go in one transaction (up to ``TX_MAX_BYTES``) and flushes them itself (an aggregator's
+        partial and its receipts).
 
         Why: a client host waited for one publisher confirm per update it uploaded, a broker round
         trip per device (issue 16's profile: a fifth of a client's time); this is one commit per
@@ -347,7 +348,8 @@ class ServiceBase:
         while self.outbox:
             # one broker transaction for every queued message stored alike (all but updates are
             # persistent), in the order they were queued: what one turn sends together lands
-            # together or not at all (an aggregator's partial and the receipts of its updates)
+            # together or not at all (an aggregator's partial and the receipts of its updates), up
+            # to ``shared.transport.amqp.TX_MAX_BYTES`` (past it, several transactions in order)
             transient = self.outbox[0].kind in TRANSIENT_KINDS
             batch = [o for o in self.outbox if (o.kind in TRANSIENT_KINDS) is transient]
             self.outbox = [o for o in self.outbox if (o.kind in TRANSIENT_KINDS) is not transient]

@@ -439,8 +439,8 @@ class Aggregator(ServiceBase):
         gets them redelivered, and with no other aggregator the round waited for its flush
         deadline. On classic queues both now land or neither does (then the updates are
         redelivered and merged again), as long as they fit in one transaction (``TX_MAX_BYTES``,
-        64 MiB: past it the partial goes in a transaction of its own, first). Quorum queues take
-        one confirm per message
+        64 MiB): past it they go as several, the partial first, and a crash between them leaves
+        the gap described next for quorum queues. Quorum queues take one confirm per message
         (``AmqpTransport.publish_many``), in the same order, so there the gap remains. The updates
         are acked only on the partial's decision, so a crash before it redelivers them, and another
         aggregator receipts them again (its singleton partial is refused as a duplicate)."""
@@ -466,7 +466,7 @@ class Aggregator(ServiceBase):
             known=self.round_layouts,
         )
         self.publish_soon(KEY_SERVER, Kind.PARTIAL, data, dense_bytes=dense, hold=True)
-        self.flush()  # the partial, then the receipts: one transaction
+        self.flush()  # the partial, then the receipts: one transaction (up to TX_MAX_BYTES)
 
 
 def _values(t: codec.Tensor) -> np.ndarray:

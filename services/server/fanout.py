@@ -127,8 +127,9 @@ def publish(
 ) -> set[str]:
     """Send a fan-out in one ``publish_many``, payloads first (a host's queue then holds each
     before the tasks that need it); returns the routing keys nobody was bound for. On classic
-    queues that is one transaction, one broker round trip; quorum queues take a confirm per
-    message, in the same order (``AmqpTransport.publish_many``).
+    queues that is one transaction, one broker round trip (several, in order, past
+    ``TX_MAX_BYTES``); quorum queues take a confirm per message, in the same order
+    (``AmqpTransport.publish_many``).
 
     Why one: the payloads and the tasks went as two transactions, and the hosts got their tasks
     only after the second commit, which took the server 2–12 ms at 50 devices a round (a timer

@@ -739,7 +739,9 @@ class AmqpTransport(Transport):
         exchange = self.names.exchange
         unroutable: set[str] = set()
         for chunk in _tx_chunks(items, TX_MAX_BYTES):
-            # each chunk retried on its own: one that committed is not published again
+            # each chunk retried on its own: one that committed is not published again. A chunk
+            # that fails for good (past the reconnect budget, a refusal) raises with the earlier
+            # ones committed: the caller's deliveries are not acked, so they come back
             batch = [(exchange, key, body, props) for key, body in chunk]
             unroutable |= self._with_reconnect(functools.partial(self._commit_batch, batch))
         return unroutable
