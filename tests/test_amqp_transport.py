@@ -318,21 +318,25 @@ def test_a_batch_larger_than_the_write_buffer_is_stored_whole_with_its_returns(
         t.close()
 
 
-@given(st.lists(st.integers(0, 50), max_size=30), st.integers(1, 100))
-@settings(max_examples=200, deadline=None)
-def test_transaction_chunks_keep_order_and_stay_under_the_limit(sizes: list[int], limit: int) -> None:
-    """``_tx_chunks``: every message once, in order; a chunk passes ``limit`` only when it is one
-    message larger than the limit alone; no chunk is empty."""
+@given(st.lists(st.integers(0, 50), max_size=30), st.integers(1, 100), st.none() | st.integers(1, 6))
+@settings(max_examples=300, deadline=None)
+def test_transaction_chunks_keep_order_and_stay_under_the_limits(
+    sizes: list[int], limit: int, max_count: int | None
+) -> None:
+    """``_tx_chunks`` (a batch's publishes, a turn's dead letters): every message once, in order;
+    a chunk passes ``limit`` bytes only when it is one message larger than the limit alone, and
+    never holds more than ``max_count``; no chunk is empty, and one is cut only when it is full."""
     from shared.transport.amqp import _tx_chunks
 
     items = [(f"k{i}", b"x" * n) for i, n in enumerate(sizes)]
-    chunks = _tx_chunks(items, limit)
+    chunks = _tx_chunks(items, limit, size=lambda item: len(item[1]), max_count=max_count)
     assert [item for chunk in chunks for item in chunk] == items
     for chunk in chunks:
         assert chunk
         assert len(chunk) == 1 or sum(len(b) for _, b in chunk) <= limit
-    for a, b in itertools.pairwise(chunks):  # a chunk is cut only when the next message passes it
-        assert sum(len(x) for _, x in a) + len(b[0][1]) > limit
+        assert max_count is None or len(chunk) <= max_count
+    for a, b in itertools.pairwise(chunks):  # cut only when the next message would pass a limit
+        assert sum(len(x) for _, x in a) + len(b[0][1]) > limit or len(a) == max_count
 
 
 def test_a_batch_past_the_transaction_limit_goes_as_several_in_order(

@@ -110,6 +110,8 @@ TX_BUFFER_BYTES = 16 << 20
 #: several transactions, in order
 TX_MAX_BYTES = 64 << 20
 
+_Item = TypeVar("_Item")
+
 QueueType = Literal["classic", "quorum"]
 QueueMode = Literal["default", "lazy"]
 
@@ -738,7 +740,7 @@ class AmqpTransport(Transport):
         props = BasicProperties(delivery_mode=self._delivery_mode(transient), user_id=self.user)
         exchange = self.names.exchange
         unroutable: set[str] = set()
-        for chunk in _tx_chunks(items, TX_MAX_BYTES):
+        for chunk in _tx_chunks(items, TX_MAX_BYTES, size=lambda item: len(item[1])):
             # each chunk retried on its own: one that committed is not published again. A chunk
             # that fails for good (past the reconnect budget, a refusal) raises with the earlier
             # ones committed: the caller's deliveries are not acked, so they come back
@@ -877,17 +879,12 @@ class AmqpTransport(Transport):
         if len(items) < 2 or self.options.queue_type == "quorum":
             super().dead_letter_many(items)
             return
-        chunk: list[tuple[Delivery, str, str]] = []
-        size = 0
-        for item in items:  # one transaction holds at most DEAD_LETTER_BATCH messages or bytes
-            full = len(chunk) == DEAD_LETTER_BATCH or size + len(item[0].body) > DEAD_LETTER_BATCH_BYTES
-            if chunk and full:
-                if not self._dead_letter_batch(chunk):
-                    return
-                chunk, size = [], 0
-            chunk.append(item)
-            size += len(item[0].body)
-        self._dead_letter_batch(chunk)
+        # one transaction holds at most DEAD_LETTER_BATCH messages or DEAD_LETTER_BATCH_BYTES
+        for chunk in _tx_chunks(
+            items, DEAD_LETTER_BATCH_BYTES, size=lambda it: len(it[0].body), max_count=DEAD_LETTER_BATCH
+        ):
+            if not self._dead_letter_batch(chunk):
+                return
 
     def _current(self, delivery: Delivery) -> bool:
         """Whether ``delivery`` came on this connection (a lost one's messages come back anyway)."""
@@ -1013,16 +1010,25 @@ class AmqpTransport(Transport):
         self._safe_close()
 
 
-def _tx_chunks(items: Sequence[tuple[str, bytes]], limit: int) -> list[Sequence[tuple[str, bytes]]]:
-    """``items`` cut, in order, into runs of at most ``limit`` bytes of bodies (a larger message
-    alone): one transaction each."""
-    chunks: list[Sequence[tuple[str, bytes]]] = []
-    start, size = 0, 0
-    for i, (_, body) in enumerate(items):
-        if i > start and size + len(body) > limit:
+def _tx_chunks(
+    items: Sequence[_Item],
+    limit: int,
+    *,
+    size: Callable[[_Item], int],
+    max_count: int | None = None,
+) -> list[Sequence[_Item]]:
+    """``items`` cut, in order, into runs of at most ``limit`` bytes (``size`` of each item) and
+    ``max_count`` items, an item larger than ``limit`` alone: one transaction each (a batch's
+    publishes, a turn's dead letters)."""
+    chunks: list[Sequence[_Item]] = []
+    start, total = 0, 0
+    for i, item in enumerate(items):
+        n = size(item)
+        full = total + n > limit or (max_count is not None and i - start == max_count)
+        if i > start and full:
             chunks.append(items[start:i])
-            start, size = i, 0
-        size += len(body)
+            start, total = i, 0
+        total += n
     if start < len(items):
         chunks.append(items[start:])
     return chunks
