@@ -43,6 +43,9 @@ from shared.transport import KEY_SERVER, Delivery, Transport, Unroutable
 #: persistent: a run relies on them beyond one round.
 TRANSIENT_KINDS = frozenset({Kind.UPDATE})
 
+#: one message of a batch: (kind, routing key, data, dense-equivalent bytes of its tensors)
+PublishItem = tuple[Kind, str, bytes, int]
+
 #: message kinds → the ``direction`` label of traffic metrics
 DIRECTION = {
     Kind.TASK: "down",
@@ -430,8 +433,10 @@ class ServiceBase:
         """
         return self._publish_many([(kind, key, data, dense) for key, data, dense in items])
 
-    def _publish_many(self, items: list[tuple[Kind, str, bytes, int]]) -> set[str]:
+    def _publish_many(self, items: list[PublishItem]) -> set[str]:
         """``publish_batch`` of messages of any kinds stored alike (``TRANSIENT_KINDS``), in order."""
+        if not items:
+            return set()
         transient = {kind in TRANSIENT_KINDS for kind, _, _, _ in items}
         if len(transient) > 1:
             raise ValueError("one batch cannot mix transient and persistent messages")
@@ -444,22 +449,29 @@ class ServiceBase:
         unroutable = self.transport.publish_many(
             [(key, data) for _, key, data, _ in items], transient=transient == {True}
         )
+        # counted per kind, not per message: a fan-out carries a message per host and device
+        sent: dict[Kind, list[int]] = {}  # kind → [messages, bytes, dense bytes]
         for kind, key, data, dense in items:
             if key in unroutable:
                 metrics.UNROUTABLE.labels(self.experiment, self.service, kind.value).inc()
-            else:
-                labels = (
-                    self.experiment,
-                    self.algorithm,
-                    self.service,
-                    DIRECTION.get(kind, "control"),
-                    kind.value,
-                )
-                self.bytes_published += len(data)
-                metrics.WIRE_BYTES.labels(*labels).inc(len(data))
-                metrics.MESSAGES.labels(*labels).inc()
-                if dense:
-                    metrics.DENSE_BYTES.labels(*labels).inc(dense)
+                continue
+            tally = sent.setdefault(kind, [0, 0, 0])
+            tally[0] += 1
+            tally[1] += len(data)
+            tally[2] += dense
+        for kind, (count, size, dense) in sent.items():
+            labels = (
+                self.experiment,
+                self.algorithm,
+                self.service,
+                DIRECTION.get(kind, "control"),
+                kind.value,
+            )
+            self.bytes_published += size
+            metrics.WIRE_BYTES.labels(*labels).inc(size)
+            metrics.MESSAGES.labels(*labels).inc(count)
+            if dense:
+                metrics.DENSE_BYTES.labels(*labels).inc(dense)
         return unroutable
 
     # -- the loop --------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.common import encode_tensors
+from services.common import PublishItem, encode_tensors
 from shared import codec
 from shared.algorithms.base import TaskSpec
 from shared.codec import tensorset
@@ -113,13 +113,9 @@ def build(
     return out
 
 
-#: one message of a fan-out: (kind, routing key, data, dense bytes), as ``ServiceBase._publish_many`` takes it
-Item = tuple[Kind, str, bytes, int]
-
-
 def publish(
     fanout: Fanout,
-    publish_many: Callable[[list[Item]], set[str]],
+    publish_many: Callable[[list[PublishItem]], set[str]],
     kind: Kind,
     *,
     batched: Callable[[str], bool] = lambda key: False,
@@ -145,8 +141,8 @@ def publish(
     (encoded with ``encode``); the others one by one. Evaluation tasks (``kind`` evaluate) always
     go one by one: they are sent once per run.
     """
-    items: list[Item] = [(Kind.PAYLOAD, key, data, 0) for _, key, data in fanout.payloads]
-    singles: list[Item] = []
+    items: list[PublishItem] = [(Kind.PAYLOAD, key, data, 0) for _, key, data in fanout.payloads]
+    singles: list[PublishItem] = []
     by_key: dict[str, list[Outgoing]] = {}
     for t in fanout.tasks:
         if kind is Kind.TASK and encode is not None and batched(t.routing_key):
@@ -161,4 +157,4 @@ def publish(
                 data = encode(Kind.TASKS, Tasks(tasks=[t.body for t in chunk]))
                 items.append((Kind.TASKS, key, data, sum(t.dense_bytes for t in chunk)))
     items += singles
-    return publish_many(items) if items else set()
+    return publish_many(items)
