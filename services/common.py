@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from shared import codec, metrics
 from shared.codec.tensorset import LayoutCache
@@ -21,19 +21,21 @@ from shared.identity import ACCEPTS, Role, Sender, identify, strict
 from shared.schemas import (
     ANSWER_KINDS,
     MAX_ANSWERS,
+    MAX_UPDATES,
     Answers,
     DecodeError,
     Envelope,
     Heartbeat,
     Kind,
     RoundOpen,
+    Updates,
     decode,
     encode,
 )
 from shared.schemas import _Body as Body
 from shared.schemas.peers import PeerVersions
 from shared.topology import routable
-from shared.transport import KEY_SERVER, Delivery, Transport, Unroutable
+from shared.transport import KEY_SERVER, KEY_UPDATE, Delivery, Transport, Unroutable
 
 #: kinds a broker restart may lose without harm beyond their round, published transient (see
 #: ``Transport.publish``): a device's update, one per device per round and the bulk of the bytes.
@@ -41,10 +43,21 @@ from shared.transport import KEY_SERVER, Delivery, Transport, Unroutable
 #: without it, or is lost and repeated if it merged nothing (docs/broker.md, "Transient updates").
 #: Everything else (tasks a host has not read yet, leases, device state, round control) stays
 #: persistent: a run relies on them beyond one round.
-TRANSIENT_KINDS = frozenset({Kind.UPDATE})
+TRANSIENT_KINDS = frozenset({Kind.UPDATE, Kind.UPDATES})
 
-#: one message of a batch: (kind, routing key, data, dense-equivalent bytes of its tensors)
-PublishItem = tuple[Kind, str, bytes, int]
+
+class PublishItem(NamedTuple):
+    """One message of a batch (``ServiceBase._publish_many``)."""
+
+    kind: Kind
+    key: str
+    data: bytes
+    #: dense-equivalent bytes of its tensors
+    dense: int = 0
+    #: a bundle's entries (``Bundling``): the bytes of the messages of each kind it carries, counted
+    #: under that kind; the bundle's own framing is counted under ``kind``
+    inner: Mapping[Kind, int] | None = None
+
 
 #: message kinds → the ``direction`` label of traffic metrics
 DIRECTION = {
@@ -52,6 +65,7 @@ DIRECTION = {
     Kind.TASKS: "down",
     Kind.EVALUATE: "down",
     Kind.UPDATE: "up",
+    Kind.UPDATES: "up",
     Kind.PARTIAL: "partial",
 }
 
@@ -99,13 +113,40 @@ OUTBOX_LIMIT = 8
 @dataclass
 class _Outgoing:
     """One encoded message waiting for ``flush``, and the deliveries it answers (acked once it is
-    published: one, or those of every answer an ``answers`` message carries)."""
+    published: one, or those of every message a bundle carries)."""
 
     kind: Kind
     key: str
     data: bytes
     dense_bytes: int = 0
     answers: tuple[Delivery, ...] = ()
+    #: a bundle's entries: bytes by kind (``PublishItem.inner``)
+    inner: Mapping[Kind, int] | None = None
+
+
+@dataclass(frozen=True)
+class Bundling:
+    """Messages a flush sends as one bundle of their complete encodings: which (``kinds`` on
+    ``key``), as what (``kind``, whose body is ``body(entries)``), and at most how many a bundle.
+
+    Why bundles: every message costs the broker a write, a delivery and an ack, and its two ends a
+    frame each, whatever its size; a host's flush holds many small answers (``answers``) or a few
+    updates (``updates``). Each entry stays the message its device would have sent alone (its MAC
+    included); the receiver handles it as that message (``shared.transport.split``)."""
+
+    kinds: frozenset[Kind]
+    key: str
+    kind: Kind
+    body: Callable[[list[bytes]], Body]
+    max_entries: int
+
+
+#: a host's devices' answers to the server (``ready``, ``reject``, ``eval_result``)
+ANSWERS_BUNDLE = Bundling(ANSWER_KINDS, KEY_SERVER, Kind.ANSWERS, lambda m: Answers(messages=m), MAX_ANSWERS)
+#: a host's devices' updates to the aggregators
+UPDATES_BUNDLE = Bundling(
+    frozenset({Kind.UPDATE}), KEY_UPDATE, Kind.UPDATES, lambda m: Updates(messages=m), MAX_UPDATES
+)
 
 
 class ServiceBase:
@@ -123,13 +164,13 @@ class ServiceBase:
         #: message bytes this service put on, and took off, the broker (its share of broker traffic)
         self.bytes_published = 0
         self.bytes_consumed = 0
-        #: ``flush`` sends the devices' answers to the server as ``answers`` (a client host's)
-        self.bundles_answers = False
+        #: what ``flush`` sends as bundles (a client host's answers and updates: ``Bundling``)
+        self.bundling: tuple[Bundling, ...] = ()
         #: tensor-set layouts learned from the server (what a message may name by digest)
         self.layouts = LayoutCache()
         #: the schema version each host speaks: what is addressed to a host goes in its version
         self.peers = PeerVersions()
-        #: messages encoded by ``send_soon`` / ``publish_soon`` and not yet published (``flush``)
+        #: messages queued by ``publish_soon`` (or ``_queue``) and not yet published (``flush``)
         self.outbox: list[_Outgoing] = []
         #: of the outbox: the ids of the deliveries it answers (alive while it holds them), its
         #: uploads, and when its oldest message was queued. Kept as it fills, not scanned per call:
@@ -273,21 +314,6 @@ class ServiceBase:
         )
         return self.publish_raw(key, kind, data, dense_bytes=dense_bytes)
 
-    def send_soon(
-        self, key: str, kind: Kind, body: Body, *, round: int, inc: str = "", hold: bool = False
-    ) -> None:
-        """``send``, but published with everything else queued during this turn of the loop, in one
-        broker round trip (``flush``), instead of one confirm round trip per message.
-
-        Why: an aggregator answered each update with a receipt whose publisher confirm it waited for,
-        which held its next update back by a broker round trip (issue 16's round profile: a third of
-        the aggregator's time). Only for messages whose loss with this process is harmless: nothing
-        is acknowledged on their account before ``flush`` (an aggregator acks updates when their
-        partial is decided, after the receipts went out). ``hold``: as in ``publish_soon``.
-        """
-        data = encode(kind, body, exp=self.experiment, round=round, sender=self.service, inc=inc)
-        self.publish_soon(key, kind, data, hold=hold)
-
     def publish_soon(
         self,
         key: str,
@@ -296,7 +322,6 @@ class ServiceBase:
         *,
         dense_bytes: int = 0,
         answers: Delivery | None = None,
-        hold: bool = False,
     ) -> None:
         """``publish_raw`` at the next ``flush`` (at once when ``outbox_full``: by default when
         :data:`OUTBOX_LIMIT` messages wait).
@@ -306,14 +331,20 @@ class ServiceBase:
         again (at least once, as with ``publish_raw`` then ack). If no queue took the message, the
         delivery is dead-lettered ``unroutable`` instead, as a handler raising ``Unroutable`` would.
 
-        ``hold``: never publish now, even with a full outbox: the caller queues messages that must
-        go in one transaction (up to ``TX_MAX_BYTES``) and flushes them itself (an aggregator's
-        partial and its receipts).
-
         Why: a client host waited for one publisher confirm per update it uploaded, a broker round
         trip per device (issue 16's profile: a fifth of a client's time); this is one commit per
         batch.
         """
+        self._queue(key, kind, data, dense_bytes=dense_bytes, answers=answers)
+        if self.outbox_full():
+            self.flush()
+
+    def _queue(
+        self, key: str, kind: Kind, data: bytes, *, dense_bytes: int = 0, answers: Delivery | None = None
+    ) -> None:
+        """Put a message in the outbox and never publish now, even when it is full: for a caller
+        whose messages must go in one transaction and that flushes them itself (an aggregator's
+        partial and its receipts, ``Aggregator._send``)."""
         _check_route(kind, key)
         if not self.outbox:
             self.outbox_since = time.monotonic()
@@ -321,8 +352,6 @@ class ServiceBase:
         if answers is not None:
             self._answering.add(id(answers))
         self._uploads += kind is Kind.UPDATE
-        if not hold and self.outbox_full():
-            self.flush()
 
     def outbox_full(self) -> bool:
         """Whether ``publish_soon`` flushes now: :data:`OUTBOX_LIMIT` messages wait."""
@@ -335,7 +364,7 @@ class ServiceBase:
             d.ack()
 
     def flush(self) -> None:
-        """Publish what ``send_soon`` / ``publish_soon`` queued, in the order it was queued: one
+        """Publish what ``publish_soon`` / ``_queue`` queued, in the order it was queued: one
         transaction for the persistent messages and one for the transient ones (updates); then ack
         the deliveries they answer."""
         try:
@@ -346,8 +375,8 @@ class ServiceBase:
             self.outbox_since = time.monotonic() if self.outbox else None
 
     def _flush(self) -> None:
-        if self.bundles_answers:
-            self._bundle_answers()
+        for bundling in self.bundling:
+            self._bundle(bundling)
         while self.outbox:
             # one broker transaction for every queued message stored alike (all but updates are
             # persistent), in the order they were queued: what one turn sends together lands
@@ -356,7 +385,9 @@ class ServiceBase:
             transient = self.outbox[0].kind in TRANSIENT_KINDS
             batch = [o for o in self.outbox if (o.kind in TRANSIENT_KINDS) is transient]
             self.outbox = [o for o in self.outbox if (o.kind in TRANSIENT_KINDS) is not transient]
-            unroutable = self._publish_many([(o.kind, o.key, o.data, o.dense_bytes) for o in batch])
+            unroutable = self._publish_many(
+                [PublishItem(o.kind, o.key, o.data, o.dense_bytes, o.inner) for o in batch]
+            )
             lost = [o for o in batch if o.key in unroutable]
             for kind in dict.fromkeys(o.kind for o in lost):
                 # the same as a ``send`` raising Unroutable: nobody is bound for the key (a server
@@ -375,30 +406,34 @@ class ServiceBase:
                     else:
                         d.ack()
 
-    def _bundle_answers(self) -> None:
-        """Put the devices' answers to the server in the outbox (``ready``, ``reject``,
-        ``eval_result``: ``ANSWER_KINDS``) into ``answers`` messages of at most
-        :data:`~shared.schemas.MAX_ANSWERS` entries and half the largest message a service takes
+    def _bundle(self, bundling: Bundling) -> None:
+        """Put the outbox's messages that ``bundling`` covers into bundles of at most
+        ``bundling.max_entries`` entries and half the largest message a service takes
         (``processes.max_message_bytes``), where the first of them was. Each carries the answered
         deliveries of its messages: acked once it is published, dead-lettered ``unroutable`` if
         nobody took it, as each alone would have been."""
-        picked = [o for o in self.outbox if o.key == KEY_SERVER and o.kind in ANSWER_KINDS]
+        picked = [o for o in self.outbox if o.key == bundling.key and o.kind in bundling.kinds]
         if not picked:
             return
         chunks: list[list[_Outgoing]] = [[]]
         size = 0
         for o in picked:
-            if chunks[-1] and (len(chunks[-1]) == MAX_ANSWERS or size + len(o.data) > self.max_bytes // 2):
+            full = len(chunks[-1]) == bundling.max_entries or size + len(o.data) > self.max_bytes // 2
+            if chunks[-1] and full:
                 chunks.append([])
                 size = 0
             chunks[-1].append(o)
             size += len(o.data) + 5  # with its bin frame
         bundles = []
         for chunk in chunks:
-            body = Answers(messages=[o.data for o in chunk])
-            data = encode(Kind.ANSWERS, body, exp=self.experiment, round=0, sender="")
+            body = bundling.body([o.data for o in chunk])
+            data = encode(bundling.kind, body, exp=self.experiment, round=0, sender="")
             answered = tuple(d for o in chunk for d in o.answers)
-            bundles.append(_Outgoing(Kind.ANSWERS, KEY_SERVER, data, 0, answered))
+            inner: dict[Kind, int] = {}
+            for o in chunk:
+                inner[o.kind] = inner.get(o.kind, 0) + len(o.data)
+            dense = sum(o.dense_bytes for o in chunk)
+            bundles.append(_Outgoing(bundling.kind, bundling.key, data, dense, answered, inner))
         ids = {id(o) for o in picked}
         outbox: list[_Outgoing] = []
         for o in self.outbox:
@@ -426,39 +461,51 @@ class ServiceBase:
             metrics.DENSE_BYTES.labels(*labels).inc(dense_bytes)
         return len(data)
 
-    def publish_batch(self, kind: Kind, items: list[tuple[str, bytes, int]]) -> set[str]:
-        """Publish (key, data, dense_bytes) messages in one broker round trip; count the routed ones.
-
-        Returns the keys nobody was bound for (those messages were not delivered and are not counted).
-        """
-        return self._publish_many([(kind, key, data, dense) for key, data, dense in items])
-
     def _publish_many(self, items: list[PublishItem]) -> set[str]:
-        """``publish_batch`` of messages of any kinds stored alike (``TRANSIENT_KINDS``), in order."""
+        """Publish messages of any kinds stored alike (``TRANSIENT_KINDS``), in order, in one broker
+        round trip (several past ``TX_MAX_BYTES``), and count the routed ones. Returns the keys
+        nobody was bound for (those messages were not delivered and are not counted).
+
+        A bundle counts as one message of its kind; its bytes count as the messages it carries
+        (``PublishItem.inner``: ``fedfleet_wire_bytes_total{kind="update"}`` is every update's
+        bytes, bundled or not), and its own framing as its kind."""
         if not items:
             return set()
-        transient = {kind in TRANSIENT_KINDS for kind, _, _, _ in items}
+        transient = {item.kind in TRANSIENT_KINDS for item in items}
         if len(transient) > 1:
             raise ValueError("one batch cannot mix transient and persistent messages")
-        for kind, key, _, _ in items:
-            _check_route(kind, key)
+        for item in items:
+            _check_route(item.kind, item.key)
         items = [
-            (kind, k, self.peers.outgoing(k, data, exp=self.experiment, layouts=self.layouts), n)
-            for kind, k, data, n in items
+            item._replace(
+                data=self.peers.outgoing(item.key, item.data, exp=self.experiment, layouts=self.layouts)
+            )
+            for item in items
         ]
         unroutable = self.transport.publish_many(
-            [(key, data) for _, key, data, _ in items], transient=transient == {True}
+            [(item.key, item.data) for item in items], transient=transient == {True}
         )
         # counted per kind, not per message: a fan-out carries a message per host and device
         sent: dict[Kind, list[int]] = {}  # kind → [messages, bytes, dense bytes]
-        for kind, key, data, dense in items:
-            if key in unroutable:
-                metrics.UNROUTABLE.labels(self.experiment, self.service, kind.value).inc()
+
+        def tally(kind: Kind, count: int, size: int, dense: int) -> None:
+            total = sent.setdefault(kind, [0, 0, 0])
+            total[0] += count
+            total[1] += size
+            total[2] += dense
+
+        for item in items:
+            if item.key in unroutable:
+                metrics.UNROUTABLE.labels(self.experiment, self.service, item.kind.value).inc()
                 continue
-            tally = sent.setdefault(kind, [0, 0, 0])
-            tally[0] += 1
-            tally[1] += len(data)
-            tally[2] += dense
+            carried = item.inner or {}
+            for kind, size in carried.items():
+                tally(kind, 0, size, 0)
+            # the tensors' dense bytes go with the messages that carry them (a bundle's, with its
+            # entries when they are all of one kind: updates)
+            dense_kind = next(iter(carried)) if len(carried) == 1 else item.kind
+            tally(dense_kind, 0, 0, item.dense)
+            tally(item.kind, 1, len(item.data) - sum(carried.values()), 0)
         for kind, (count, size, dense) in sent.items():
             labels = (
                 self.experiment,
@@ -469,7 +516,8 @@ class ServiceBase:
             )
             self.bytes_published += size
             metrics.WIRE_BYTES.labels(*labels).inc(size)
-            metrics.MESSAGES.labels(*labels).inc(count)
+            if count:
+                metrics.MESSAGES.labels(*labels).inc(count)
             if dense:
                 metrics.DENSE_BYTES.labels(*labels).inc(dense)
         return unroutable

@@ -36,6 +36,8 @@ from shared.transport import KEY_CLIENTS, names
 
 #: after the run ends (or SIGTERM), the tap reads on until nothing has come for this long
 QUIET_S = 2.0
+#: kinds that carry whole messages, shown entry by entry too (``Tap.describe_all``)
+BUNDLES = frozenset({Kind.ANSWERS.value, Kind.UPDATES.value})
 
 
 @dataclass
@@ -51,6 +53,8 @@ class Line:
     bytes: int
     tensors: list[dict[str, Any]] = field(default_factory=list)
     error: str = ""
+    #: the bundle (``answers``, ``updates``) this message came in, as one of its entries ("": alone)
+    entry_of: str = ""
 
     def text(self) -> str:
         clock = time.strftime("%H:%M:%S", time.localtime(self.ts)) + f".{int(self.ts * 1000) % 1000:03d}"
@@ -61,7 +65,8 @@ class Line:
         )
         tail = f"  [{summary}]" if summary else ""
         err = f"  ({self.error})" if self.error else ""
-        return f"{clock} {self.kind:<13} {self.user:<28}{rnd}{dev} {self.bytes} B{tail}{err}"
+        kind = f"  in {self.entry_of}: {self.kind}" if self.entry_of else self.kind
+        return f"{clock} {kind:<13} {self.user:<28}{rnd}{dev} {self.bytes} B{tail}{err}"
 
 
 def _tensor_summary(name: str, enc: dict[str, Any]) -> dict[str, Any]:
@@ -89,6 +94,20 @@ class Tap:
         #: layouts the server sent (so an update that names one can be summarised too)
         self.layouts = LayoutCache()
         self.seen: dict[str, int] = {}
+
+    def describe_all(self, body: bytes, headers: dict[str, Any]) -> list[Line]:
+        """The message's line, then, for a bundle of whole messages (a host's ``answers`` or
+        ``updates``), one line per entry: each is the message its device sent (its device, its
+        tensors), which a bundle's own line would hide."""
+        line = self.describe(body, headers)
+        lines = [line]
+        if line.kind in BUNDLES and not line.error:
+            msg = decode(body, max_bytes=len(body) + 1, exp=self.experiment, layouts=self.layouts)[1]
+            for entry in getattr(msg, "messages", []):
+                inner = self.describe(entry, headers)
+                inner.entry_of = line.kind
+                lines.append(inner)
+        return lines
 
     def describe(self, body: bytes, headers: dict[str, Any]) -> Line:
         props = headers.get("properties") or {}
@@ -183,14 +202,15 @@ def run(
         def on_message(_ch: Any, _m: Any, props: Any, body: bytes) -> None:
             nonlocal printed
             last[0] = time.monotonic()
-            line = tap.describe(body, props.headers or {})
-            tap.seen[line.kind] = tap.seen.get(line.kind, 0) + 1
-            if tap.wanted(line):
-                out.write((json.dumps(line.__dict__) if as_json else line.text()) + "\n")
-                out.flush()
-                printed += 1
-            if until_stop and line.kind == Kind.STOP.value and line.routing_key == KEY_CLIENTS:
-                stop["now"] = True  # the server ended the run
+            for line in tap.describe_all(body, props.headers or {}):
+                seen = f"{line.kind} in {line.entry_of}" if line.entry_of else line.kind
+                tap.seen[seen] = tap.seen.get(seen, 0) + 1
+                if tap.wanted(line):
+                    out.write((json.dumps(line.__dict__) if as_json else line.text()) + "\n")
+                    out.flush()
+                    printed += 1
+                if until_stop and line.kind == Kind.STOP.value and line.routing_key == KEY_CLIENTS:
+                    stop["now"] = True  # the server ended the run
 
         ch.basic_consume(q, on_message, auto_ack=True)
         while not stop["now"]:

@@ -135,6 +135,10 @@ ACCEPTS: dict[str, dict[Kind, Role]] = {
         Kind.PARTIAL: Role.AGGREGATOR,
         Kind.JOIN: Role.JOIN,
     },
-    "aggregator": {Kind.UPDATE: Role.HOST, **dict.fromkeys(_TO_AGGREGATORS, Role.SERVER)},
+    "aggregator": {
+        Kind.UPDATE: Role.HOST,
+        Kind.UPDATES: Role.HOST,
+        **dict.fromkeys(_TO_AGGREGATORS, Role.SERVER),
+    },
     "client": dict.fromkeys(_TO_HOSTS, Role.SERVER),
 }

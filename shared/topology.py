@@ -33,6 +33,7 @@ ROUTES: dict[Kind, tuple[str, ...]] = {
     Kind.ROUND_OPEN: (KEY_AGGREGATORS,),
     Kind.TASK: (HOST_KEY,),
     Kind.UPDATE: (KEY_UPDATE,),
+    Kind.UPDATES: (KEY_UPDATE,),
     Kind.RECEIPT: (KEY_SERVER,),
     Kind.RECEIPTS: (KEY_SERVER,),
     Kind.REJECT: (KEY_SERVER,),

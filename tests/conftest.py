@@ -196,8 +196,8 @@ def reduce_two_ways(strategy: Any, updates: list[Any], rnd: Any) -> tuple[Any, A
 
 
 def tap_inproc_publishes(monkeypatch: pytest.MonkeyPatch, tap: Any) -> None:
-    """Route every in-process publish through ``tap(key, transient)`` first: it returns whether
-    the message goes on to the broker (False: the broker took it, then lost it)."""
+    """Route every in-process publish through ``tap(key, body, transient)`` first: it returns
+    whether the message goes on to the broker (False: the broker took it, then lost it)."""
     from shared.transport.inproc import InprocTransport
 
     publish = InprocTransport.publish
@@ -210,7 +210,7 @@ def tap_inproc_publishes(monkeypatch: pytest.MonkeyPatch, tap: Any) -> None:
         *,
         transient: bool = False,
     ) -> None:
-        if tap(key, transient):
+        if tap(key, body, transient):
             publish(self, key, body, headers, transient=transient)
 
     monkeypatch.setattr(InprocTransport, "publish", tapped)

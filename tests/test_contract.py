@@ -43,10 +43,12 @@ from shared.devices import admit
 from shared.experiment import Experiment
 from shared.schemas import (
     DEVICE_ENVELOPE_BUDGET,
+    Answers,
     Kind,
     RoundOpen,
     Task,
     Tasks,
+    Updates,
     decode,
     device_bytes,
     information_bytes,
@@ -116,6 +118,11 @@ class Observed:
         for layout in [*env.layouts, *(msg.layouts if isinstance(msg, RoundOpen) else [])]:
             self.layouts.learn(layout)
         kind = env.kind.value
+        if isinstance(msg, Answers | Updates):  # each entry a lone message, the bundle's own its framing
+            self.carried[kind] = self.carried.get(kind, 0) + len(body) - sum(map(len, msg.messages))
+            for entry in msg.messages:
+                self.count(key, entry)
+            return
         self.carried[kind] = self.carried.get(kind, 0) + len(body)
         if env.kind in (Kind.TASK, Kind.UPDATE):
             over = len(body) - information_bytes(msg) - env.telemetry_bytes

@@ -213,9 +213,10 @@ def _tap_batches(
 
     def tapped(self: InprocTransport, key: str, body: bytes, *args: Any, **kwargs: Any) -> None:
         kind = message_parts(body).kind
-        if kind in (lone, batch):
-            msg = decode(body, max_bytes=len(body))[1]
-            sent.append((key, kind, len(getattr(msg, entries)) if kind is batch else 1))
+        if kind is batch:
+            sent.append((key, kind, len(getattr(decode(body, max_bytes=len(body))[1], entries))))
+        elif kind is lone:  # (not decoded: an update may name a layout only its round announced)
+            sent.append((key, kind, 1))
         publish(self, key, body, *args, **kwargs)
 
     monkeypatch.setattr(InprocTransport, "publish", tapped)
@@ -346,7 +347,7 @@ def test_a_hosts_answers_of_a_turn_go_in_one_message_with_the_same_model(
     entries = sum(n for _, _, n in sent)
     sent.clear()
     with monkeypatch.context() as m:
-        m.setattr(ServiceBase, "_bundle_answers", lambda self: None)
+        m.setattr(ServiceBase, "_bundle", _bundle_but(Kind.ANSWERS))
         lone, _ = _run(tmp_path, "lone-answers", "answers", **overrides)
     assert {k for _, k, _ in sent} == {Kind.READY} and len(sent) == entries > 8
     _assert_same_run(bundled, lone)
@@ -372,6 +373,83 @@ def test_a_hosts_answers_of_a_turn_go_in_one_message_with_the_same_model(
     assert not [x for x in letters if x["kind"] == "answers"]
     (letter,) = [x for x in letters if x["reason"] == "handler-error"]
     assert (letter["kind"], letter["round"]) == ("ready", 2)  # the entry as its lone message
+
+
+def _bundle_but(kind: Kind) -> Any:
+    """``ServiceBase._bundle`` that leaves the messages of bundles of ``kind`` alone."""
+    from services.common import ServiceBase
+
+    real = ServiceBase._bundle
+
+    def bundle(self: ServiceBase, bundling: Any) -> None:
+        if bundling.kind is not kind:
+            real(self, bundling)
+
+    return bundle
+
+
+def test_a_hosts_updates_of_a_flush_go_in_one_message_with_the_same_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In virtual time a host sends the updates one flush of its outbox holds as one ``updates``
+    message, each entry the lone update with its MAC, which the aggregator checks, reduces and
+    receipts as if it had come alone. The run is the one the lone messages make (same rounds,
+    same bytes per device, same model); the wire-bytes counter of kind ``update`` still counts
+    every update's bytes, and an entry that fails on the aggregator (a bug, once) is
+    dead-lettered alone, as its lone message, while the others of its ``updates`` count."""
+    from prometheus_client import REGISTRY
+
+    from services.aggregator.service import Aggregator
+    from services.common import ServiceBase
+
+    sent = _tap_batches(monkeypatch, Kind.UPDATE, Kind.UPDATES, "messages")
+    overrides: dict[str, Any] = {
+        "num_devices": 24,
+        "devices_per_round": 12,
+        "rounds": 3,
+        "processes": {"clients": 2, "aggregators": 1},
+    }
+
+    def wire(exp: str, kind: str) -> float:
+        labels = {"experiment": exp, "algorithm": "fedavg", "service": "client", "direction": "up"}
+        return REGISTRY.get_sample_value("fedfleet_wire_bytes_total", {**labels, "kind": kind}) or 0.0
+
+    bundled, _ = _run(tmp_path, "updates", "updates-b", **overrides)
+    assert {k for _, k, _ in sent} == {Kind.UPDATES}
+    entries = sum(n for _, _, n in sent)
+    participants = sum(int(r["participants"]) for r in read_rounds(bundled))
+    assert entries == participants == 36 and len(sent) < entries  # 12 a round, 8 or fewer a flush
+    assert max(n for _, _, n in sent) <= 8
+    summary = json.loads((bundled / "summary.json").read_text())
+    # every update's bytes under kind="update" (device uplink plus telemetry), the framing apart
+    assert wire("updates-b", "update") == summary["bytes_up"] + summary["telemetry_bytes_up"]
+    assert 0 < wire("updates-b", "updates") < 64 * len(sent)
+    sent.clear()
+    with monkeypatch.context() as m:
+        m.setattr(ServiceBase, "_bundle", _bundle_but(Kind.UPDATES))
+        lone, _ = _run(tmp_path, "lone-updates", "updates-l", **overrides)
+    assert {k for _, k, _ in sent} == {Kind.UPDATE} and len(sent) == entries
+    _assert_same_run(bundled, lone)
+
+    failed: list[int] = []
+    real = Aggregator.on_update
+
+    def once_a_bug(self: Aggregator, env: Any, msg: Any, d: Any) -> None:
+        if env.round == 2 and not failed:
+            failed.append(msg.device_id)
+            raise RuntimeError("a bug on one update")
+        real(self, env, msg, d)
+
+    monkeypatch.setattr(Aggregator, "on_update", once_a_bug)
+    # the lost update keeps round 2 open until its deadline (round 1 must fit in it, warm-up and all)
+    run, _ = _run(tmp_path, "updates-bug", "updates-x", **{**overrides, "round_timeout_s": 8})
+    rows = read_rounds(run)
+    assert [r["outcome"] for r in rows] == ["completed"] * 3 and len(failed) == 1
+    assert [int(r["participants"]) for r in rows] == [12, 11, 12]
+    letters = [json.loads(line) for line in (run / "dead_letters.jsonl").read_text().splitlines()]
+    assert not [x for x in letters if x["kind"] == "updates"]
+    (letter,) = [x for x in letters if x["reason"] == "handler-error"]
+    assert (letter["kind"], letter["round"]) == ("update", 2)  # the entry as its lone message
 
 
 @pytest.mark.parametrize("kind", ["task", "go"])

@@ -20,6 +20,8 @@ from shared.algorithms.base import UpdateSpec
 from shared.codec import Dense
 from shared.config import load_config
 from shared.experiment import Experiment
+from shared.schemas import Kind
+from shared.transport.inproc import InprocTransport
 from tests.conftest import reduce_two_ways, tap_inproc_publishes, write_config
 
 SUMMARY_KEYS = {
@@ -102,7 +104,39 @@ def _cluster(cfg_path: Path, run: Path, exp_id: str) -> InprocCluster:
 WIDE = {"num_devices": 12, "devices_per_round": 10}
 
 
-def test_aggregator_crash_counts_every_update_once(tmp_path: Path) -> None:
+def _lone_updates(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hosts publish each update alone, as in real time or a host of the previous build, not a
+    flush's updates as one ``updates``: an aggregator then takes them one by one, up to its window."""
+    from services.common import ServiceBase
+
+    bundle = ServiceBase._bundle
+    monkeypatch.setattr(
+        ServiceBase, "_bundle", lambda self, b: None if b.kind is Kind.UPDATES else bundle(self, b)
+    )
+
+
+def _dead_letters(cluster: InprocCluster) -> list[tuple[str, bytes]]:
+    """(reason, body) of every dead letter the in-process broker holds for the cluster's run."""
+    transport = cluster.server.transport
+    assert isinstance(transport, InprocTransport)
+    held = transport.broker.queues.get(transport.names.dead_letter_queue, ())
+    return [(m.headers["x-fedfleet-reason"], m.body) for m in held]
+
+
+@pytest.mark.parametrize("bundled", [False, True], ids=["lone-updates", "updates-bundles"])
+def test_aggregator_crash_counts_every_update_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bundled: bool
+) -> None:
+    """An aggregator dies holding updates; every update counts once, the model is a clean run's.
+
+    Lone updates (a host of the previous build, or real time) fill the aggregator's window one by
+    one, so it dies with some updates in a partial not yet decided and some in none yet. A host's
+    ``updates`` bundles (virtual time) reach it as two messages a round here, both handled in one
+    turn; it dies with its partials undecided, and the bundles come back whole to the other
+    aggregator, whose singletons the server refuses where the dead one's partial already counted.
+    """
+    if not bundled:
+        _lone_updates(monkeypatch)
     cfg = write_config(tmp_path / "c.yaml", rounds=3, **WIDE)
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
@@ -125,7 +159,12 @@ def test_aggregator_crash_counts_every_update_once(tmp_path: Path) -> None:
     cluster.run(on_step=crash_when_holding, max_steps=200_000)
     assert crashed, "the crash never happened"
     held, unsent = crashed[0]
-    assert held > unsent >= 1, crashed  # some in a partial awaiting its decision, some in none yet
+    if bundled:
+        assert held == WIDE["devices_per_round"] and unsent == 0, crashed  # all in undecided partials
+        letters = [d for d in _dead_letters(cluster) if d[0] == "duplicate"]
+        assert 1 <= len(letters) <= held  # refused singletons of updates the dead one's partial merged
+    else:
+        assert held > unsent >= 1, crashed  # some in a partial awaiting its decision, some in none yet
     assert len(cluster.aggregators) == 1 and cluster.aggregators[0] is not agg0
     for name, arr in clean.state.arrays.items():
         np.testing.assert_allclose(faulty.state.arrays[name], arr, atol=1e-6, rtol=0)
@@ -182,6 +221,9 @@ def test_aggregator_started_after_the_round_opened_joins_it(tmp_path: Path, monk
     import services.server.service as server_service
 
     monkeypatch.setattr(server_service, "ROUND_OPEN_REPEAT_S", 0.0)  # repeat on every tick
+    # lone updates: the holder fills its window one by one and dies holding some in no partial (a
+    # host's bundles would all be handled in one turn and sent on in partials)
+    _lone_updates(monkeypatch)
     cfg = write_config(tmp_path / "c.yaml", rounds=2, **WIDE)
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
@@ -370,7 +412,7 @@ def test_only_updates_are_published_as_losable(tmp_path: Path, monkeypatch: pyte
 
     seen: list[tuple[str, bool]] = []
 
-    def spied(key: str, transient: bool) -> bool:
+    def spied(key: str, body: bytes, transient: bool) -> bool:
         seen.append((key, transient))
         return True
 

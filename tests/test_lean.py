@@ -325,10 +325,10 @@ def test_held_updates_wait_on_disk_and_go_out_unchanged(
     host at 10,000 devices). It keeps only where each one's encoded message is; on ``go`` it sends
     exactly those bytes, once, and deletes them; a discarded one is deleted unsent. (FedAvg would
     report ``ready`` before training, ``test_deferred_training_...``: here it must train first.)"""
-    from services.common import ServiceBase
+    from services.common import PublishItem, ServiceBase
     from services.orchestrator import InprocCluster
     from shared.algorithms.fedavg import FedAvg
-    from shared.schemas import Kind
+    from shared.schemas import Kind, Updates, decode
     from tests.conftest import write_config
 
     monkeypatch.setattr(FedAvg, "update_before_training", lambda self, task, n: None)
@@ -351,9 +351,15 @@ def test_held_updates_wait_on_disk_and_go_out_unchanged(
 
     publish_many = ServiceBase._publish_many
 
-    def batch(self: ServiceBase, items: list[tuple[Kind, str, bytes, int]]) -> set[str]:
-        # in virtual time a turn's uploads go out together (``publish_soon``)
-        uploaded.extend(data for kind, _, data, _ in items if kind is Kind.UPDATE)
+    def batch(self: ServiceBase, items: list[PublishItem]) -> set[str]:
+        # in virtual time a flush's uploads go out together (``publish_soon``), as one ``updates``
+        for item in items:
+            if item.kind is Kind.UPDATE:
+                uploaded.append(item.data)
+            elif item.kind is Kind.UPDATES:
+                updates = decode(item.data, max_bytes=len(item.data))[1]
+                assert isinstance(updates, Updates)
+                uploaded.extend(updates.messages)
         return publish_many(self, items)
 
     def look() -> None:

@@ -97,6 +97,7 @@ def _sample(kind: Kind) -> object:
             Kind.READY: {"device_id": 1, "finish_s": 2.5, "update_bytes": 100},
             Kind.GO: {"device_id": 1, "upload": False, "reason": "deadline"},
             Kind.ANSWERS: {"messages": [b"\x97\x07\x10", b"\x97\x07\x0e"]},
+            Kind.UPDATES: {"messages": [b"\x97\x07\x09", b"\x97\x07\x09"]},
             Kind.TASKS: {
                 "tasks": [
                     {"device_id": 1, "payload": b"\x01" * 8, "payload_bytes": 70, "key": b"k" * 16},

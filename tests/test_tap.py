@@ -10,6 +10,7 @@ tap (in one process; the contract suite shows that equals the run over RabbitMQ)
 
 from __future__ import annotations
 
+import csv
 import json
 import subprocess
 import sys
@@ -113,12 +114,17 @@ def test_the_tap_sees_every_message_and_takes_nothing(tmp_path: Path) -> None:
             err = tap.stderr.read()
         assert tap.returncode == 0, err[-2000:]
         lines = [json.loads(line) for line in out.read_text().splitlines()]
-        seen = Counter(line["kind"] for line in lines)
+        seen = Counter(line["kind"] for line in lines if not line["entry_of"])
         published = _published(exp_id)
-        assert published["update"] > 0 and published["payload"] > 0
+        assert published["updates"] > 0 and published["payload"] > 0
         assert seen == published, (seen, published)
         assert all(line["error"] == "" for line in lines), [x for x in lines if x["error"]][:3]
-        assert any(line["tensors"] for line in lines if line["kind"] == "update")  # layouts were learned
+        # each bundle's entries too: every update of the run, with its device and tensors (the
+        # layouts were learned)
+        entries = [x for x in lines if x["entry_of"] == "updates"]
+        rounds = list(csv.DictReader((tmp_path / "tapped" / "rounds.csv").open()))
+        assert len(entries) == sum(int(r["participants"]) for r in rounds) > 0
+        assert all(x["kind"] == "update" and x["device"] is not None and x["tensors"] for x in entries)
         # the tracer is off again: the tap switched it on and was the last to listen
         state = subprocess.run(
             ["curl", "-s", "-u", "guest:guest", f"http://127.0.0.1:15672/api/vhosts/{vhost}"],

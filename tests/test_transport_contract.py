@@ -290,28 +290,30 @@ def test_every_queue_bound_to_a_key_gets_a_copy(make: Factory) -> None:
     assert (t.queue_depth(q1), t.queue_depth(q2)) == (2, 1)
 
 
-def test_send_soon_publishes_at_the_flush_in_order_and_says_when_nobody_listens(
+def test_publish_soon_publishes_at_the_flush_in_order_and_says_when_nobody_listens(
     make: Factory, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """``send_soon`` (an aggregator's receipts) holds messages until the turn's ``flush``, which
-    publishes them in one batch, in order; with no queue bound the flush logs an error, not raise."""
-    from shared.schemas import Kind, Receipt, decode
+    """``publish_soon`` holds messages until the turn's ``flush``, which publishes them in one
+    batch, in order; with no queue bound the flush logs an error, not raise."""
+    from shared.schemas import Kind, Receipt, decode, encode
     from shared.transport.base import KEY_SERVER
 
     t = make()
     sink = _Sink(t, max_bytes=1 << 20)
 
-    def receipt(device: int) -> Receipt:
-        return Receipt(device_id=device, aggregator_id="a", update_bytes=1, dense_bytes=1, num_samples=1)
+    def soon(device: int) -> None:
+        receipt = Receipt(device_id=device, aggregator_id="a", update_bytes=1, dense_bytes=1, num_samples=1)
+        data = encode(Kind.RECEIPT, receipt, exp=sink.experiment, round=1, sender="aggregator")
+        sink.publish_soon(KEY_SERVER, Kind.RECEIPT, data)
 
-    sink.send_soon(KEY_SERVER, Kind.RECEIPT, receipt(0), round=1)
+    soon(0)
     with caplog.at_level("ERROR"):
         sink.flush()  # nobody is bound for "server" yet
     assert "had no queue to go to" in caplog.text and not sink.outbox
     q = _queue(t)
     t.declare_queue(q, [KEY_SERVER])
     for device in (3, 1, 2):
-        sink.send_soon(KEY_SERVER, Kind.RECEIPT, receipt(device), round=1)
+        soon(device)
     assert t.queue_depth(q) == 0  # nothing before the flush
     sink.flush()
     assert t.queue_depth(q) == 3 and not sink.outbox

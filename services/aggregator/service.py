@@ -48,12 +48,21 @@ from shared.schemas import (
     Receipts,
     RoundOpen,
     Update,
+    Updates,
     encode,
     task_key,
     verify,
 )
 from shared.schemas import Partial as PartialMsg
-from shared.transport import KEY_AGGREGATORS, KEY_SERVER, KEY_UPDATE, Delivery, Transport, key_aggregator
+from shared.transport import (
+    KEY_AGGREGATORS,
+    KEY_SERVER,
+    KEY_UPDATE,
+    Delivery,
+    Transport,
+    key_aggregator,
+    split,
+)
 
 if TYPE_CHECKING:
     from shared.data.partitioning import Partition
@@ -166,9 +175,9 @@ class Aggregator(ServiceBase):
             Kind.STOP: self.on_stop,
         }
         transport.consume(own, lambda d: self.dispatch(d, control), prefetch=256)
-        transport.consume(
-            names.updates_queue, lambda d: self.dispatch(d, {Kind.UPDATE: self.on_update}), prefetch=prefetch
-        )
+        self._entry_handlers: dict[Kind, MessageHandler] = {Kind.UPDATE: self.on_update}
+        data: dict[Kind, MessageHandler] = {Kind.UPDATE: self.on_update, Kind.UPDATES: self.on_updates}
+        transport.consume(names.updates_queue, lambda d: self.dispatch(d, data), prefetch=prefetch)
         metrics.AGGREGATION_SECONDS.labels(experiment_id, algorithm)  # series exists before the first update
         self.log.info("aggregator %s ready", aggregator_id, extra={"event": "aggregator_ready"})
 
@@ -244,6 +253,25 @@ class Aggregator(ServiceBase):
         self.transport.delete_queue(self.queue)
 
     # -- data plane ------------------------------------------------------------------------------
+    def on_updates(self, env: Envelope, msg: Updates, d: Delivery) -> None:
+        """Each update of a host's ``updates`` as if it had come alone, with every check a lone one
+        gets, on a delivery of its own (``split``): one that fails is dead-lettered alone, and the
+        ``updates`` is acked once all are settled (their acks held until their partials' decisions,
+        as a lone update's is).
+
+        An entry put back (its round not announced yet, an overlapping partial) puts the whole
+        message back: the entries not yet handled are left for its redelivery, so a host's flush
+        costs one wait for an unannounced round, not one per entry. Entries already reduced come
+        back redelivered too and go as singletons, which the server refuses as duplicates once
+        their first partial is merged (dead-lettered ``duplicate``, counted once in the model): the
+        cost of at-least-once, as after an aggregator's crash. The prefetch window counts these
+        messages, the held-update bound (``_send_if_full``) their updates: a partial goes as soon as
+        either fills."""
+        for part in split(d, msg.messages):
+            if d.settled:  # put back whole by an entry: the rest return with it
+                break
+            self.dispatch(part, self._entry_handlers, entry=True)
+
     def on_update(self, env: Envelope, msg: Update, d: Delivery) -> None:
         started = time.perf_counter()
         if self.round < 0 or (env.inc == self.inc and env.round == self.round + 1):
@@ -414,9 +442,12 @@ class Aggregator(ServiceBase):
         for (round, inc), receipts in held.items():
             for i in range(0, len(receipts), MAX_RECEIPTS):
                 chunk = Receipts(receipts=receipts[i : i + MAX_RECEIPTS])
-                # held: a full outbox would publish it (and a partial before it) without the
-                # receipts still to come
-                self.send_soon(KEY_SERVER, Kind.RECEIPTS, chunk, round=round, inc=inc, hold=True)
+                data = encode(
+                    Kind.RECEIPTS, chunk, exp=self.experiment, round=round, sender=self.service, inc=inc
+                )
+                # queued, not ``publish_soon``: a full outbox would publish it (and a partial
+                # before it) without the receipts still to come
+                self._queue(KEY_SERVER, Kind.RECEIPTS, data)
         super().flush()
 
     def _send_batch(self) -> None:
@@ -465,7 +496,7 @@ class Aggregator(ServiceBase):
             inc=self.inc,
             known=self.round_layouts,
         )
-        self.publish_soon(KEY_SERVER, Kind.PARTIAL, data, dense_bytes=dense, hold=True)
+        self._queue(KEY_SERVER, Kind.PARTIAL, data, dense_bytes=dense)
         self.flush()  # the partial, then the receipts: one transaction (up to TX_MAX_BYTES)
 
 

@@ -42,7 +42,15 @@ from pathlib import Path
 from typing import Any
 
 from services.client.spool import Slot, Spool
-from services.common import OUTBOX_LIMIT, MessageHandler, ServiceBase, decode_tensors, encode_tensors
+from services.common import (
+    ANSWERS_BUNDLE,
+    OUTBOX_LIMIT,
+    UPDATES_BUNDLE,
+    MessageHandler,
+    ServiceBase,
+    decode_tensors,
+    encode_tensors,
+)
 from shared import metrics
 from shared.algorithms.base import DeviceContext, DeviceData, TaskSpec, UpdateSpec, derive_seed
 from shared.algorithms.device_state import atomic_write_bytes
@@ -204,7 +212,9 @@ class Client(ServiceBase):
         self.fleet = exp.fleet  # indexed by device id; profiles made on demand (shared.devices.LazyFleet)
         #: first-finishers protocol: when on, devices report ``ready`` and upload only on ``go``
         self.ready_protocol = cfg.emulation.over_selection > 1 or cfg.emulation.round_deadline_s is not None
-        self.bundles_answers = True  # a turn's ``ready``/``reject``/``eval_result`` go as one ``answers``
+        # a flush's ``ready``/``reject``/``eval_result`` go as one ``answers``, its updates as one
+        # ``updates`` (virtual time only: in real time each update is published when its upload ends)
+        self.bundling = (ANSWERS_BUNDLE, UPDATES_BUNDLE)
         self.held: dict[tuple[str, int, int], _Held] = {}
         #: first-finishers tasks answered ``ready`` before training (see ``_Deferred``), same keys
         self.deferred: dict[tuple[str, int, int], _Deferred] = {}

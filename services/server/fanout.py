@@ -141,20 +141,20 @@ def publish(
     (encoded with ``encode``); the others one by one. Evaluation tasks (``kind`` evaluate) always
     go one by one: they are sent once per run.
     """
-    items: list[PublishItem] = [(Kind.PAYLOAD, key, data, 0) for _, key, data in fanout.payloads]
+    items: list[PublishItem] = [PublishItem(Kind.PAYLOAD, key, data) for _, key, data in fanout.payloads]
     singles: list[PublishItem] = []
     by_key: dict[str, list[Outgoing]] = {}
     for t in fanout.tasks:
         if kind is Kind.TASK and encode is not None and batched(t.routing_key):
             by_key.setdefault(t.routing_key, []).append(t)
         else:
-            singles.append((kind, t.routing_key, t.data, t.dense_bytes))
+            singles.append(PublishItem(kind, t.routing_key, t.data, t.dense_bytes))
     if by_key:
         assert encode is not None
         for key, outs in by_key.items():
             for i in range(0, len(outs), MAX_TASKS):
                 chunk = outs[i : i + MAX_TASKS]
                 data = encode(Kind.TASKS, Tasks(tasks=[t.body for t in chunk]))
-                items.append((Kind.TASKS, key, data, sum(t.dense_bytes for t in chunk)))
+                items.append(PublishItem(Kind.TASKS, key, data, sum(t.dense_bytes for t in chunk)))
     items += singles
     return publish_many(items)

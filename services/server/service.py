@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from services.common import MessageHandler, ServiceBase, decode_tensors
+from services.common import MessageHandler, PublishItem, ServiceBase, decode_tensors
 from services.server import checkpoint, fanout
 from services.server.leases import Leases
 from services.server.ledger import RoundOutcome, RunLedger
@@ -807,7 +807,7 @@ class Server(ServiceBase):
         if data is None or not host:
             self.reject(d, "unknown-payload", f"no payload {msg.digest.hex()} in the open round")
             return
-        self.publish_batch(Kind.PAYLOAD, [(key_host(host), data, 0)])
+        self._publish_many([PublishItem(Kind.PAYLOAD, key_host(host), data)])
         d.ack()
 
     def _route(self, device: int) -> str:
@@ -842,13 +842,13 @@ class Server(ServiceBase):
         # (benchmarks/results-scale.md). Both versions this build writes (6 and 7) have ``gos``. A
         # host that is gone (its key unroutable) is quiet, as before: its devices' updates never
         # come, and the round's deadline decides.
-        batches = [
-            (key, self._encode(Kind.GOS, Gos(goes=goes[i : i + MAX_GOS])), 0)
-            for key, goes in by_host.items()
-            for i in range(0, len(goes), MAX_GOS)
-        ]
-        if batches:
-            self.publish_batch(Kind.GOS, batches)
+        self._publish_many(
+            [
+                PublishItem(Kind.GOS, key, self._encode(Kind.GOS, Gos(goes=goes[i : i + MAX_GOS])))
+                for key, goes in by_host.items()
+                for i in range(0, len(goes), MAX_GOS)
+            ]
+        )
 
     def _encode(self, kind: Kind, body: Body) -> bytes:
         """A message of the open round from this server."""
@@ -1020,7 +1020,9 @@ class Server(ServiceBase):
     def _broker_bytes(self, rs: RoundState) -> int:
         """What the round put through the broker: everything the server sent and took, and every
         update (the aggregators' receipts name their sizes) — every message of the run but dead
-        letters, which stay in their own queue."""
+        letters, which stay in their own queue, and the framing of the hosts' ``updates`` bundles
+        (a few bytes a bundle, which no receipt names: ``fedfleet_wire_bytes_total{kind="updates"}``
+        counts them; docs/wire.md, "Two byte counts")."""
         server = self.bytes_published + self.bytes_consumed - rs.broker_mark
         return server + sum(r.update_bytes + r.telemetry_bytes for r in rs.receipts.values())
 
