@@ -14,8 +14,9 @@ creates a user for that host alone, with the least that works:
   aggregators, and cannot send as the server or an aggregator.
 
 The host logs in again as that user; when it leaves or its lease expires, the server deletes the user
-and its queue. Every regex lives here once: ``deploy/k8s/generate.py`` writes the Kubernetes broker
-definitions of the fixed roles from ``role_permissions`` (``tests/test_deploy.py``,
+and its queue. A restarted server finds the experiment's host users on the broker (``host_ids``) and
+deletes them by the same rules. Every regex lives here once: ``deploy/k8s/generate.py`` writes the
+Kubernetes broker definitions of the fixed roles from ``role_permissions`` (``tests/test_deploy.py``,
 ``test_definitions_are_what_provision_says``, checks they agree).
 """
 
@@ -165,6 +166,22 @@ class BrokerAdmin:
             {"exchange": names(experiment).exchange, "write": p.topic_write, "read": p.topic_read},
         )
         return user
+
+    def host_ids(self, experiment: str) -> list[str]:
+        """The hosts that have a user for ``experiment`` on this vhost now, whoever made them (a
+        server that restarted adopts them: ``Server._adopt_host_users``).
+
+        Scoped three ways, so that nothing of another experiment or deployment is ever taken: the
+        vhost, this deployment's user prefix (``identity.identify``), and the experiment's exchange,
+        which is what every host user's topic permission names (:meth:`create_host_user`). The
+        names alone would not do: a host user's name carries no experiment."""
+        exchange = names(experiment).exchange
+        found: set[str] = set()
+        for perm in self._get(f"/api/vhosts/{self._v()}/topic-permissions"):
+            sender = identity.identify(str(perm.get("user", "")))
+            if sender.role is identity.Role.HOST and sender.host_id and perm.get("exchange") == exchange:
+                found.add(sender.host_id)
+        return sorted(found)
 
     def delete_host(self, experiment: str, host_id: str) -> None:
         """Remove a host's user (its connections close) and its queue."""

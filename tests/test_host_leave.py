@@ -11,17 +11,25 @@ These tests do what the server does, deterministically, over the real broker: a 
 ``shared.provision.BrokerAdmin`` (as the server makes them in strict mode), a delivery held
 unacknowledged, the user deleted, the broker's close frame waited for on the socket, then the ack and
 ``process``. No timing is asserted: what is asserted is the exception type and the transport's state.
+
+The last test is about the users' other end: a restarted server takes over the host users made
+before it (deleting those whose hosts are gone, keeping the live ones', touching no other
+experiment's).
 """
 
 from __future__ import annotations
 
+import base64
+import json
 import logging
 import os
 import select
 import shutil
 import signal
 import socket
+import threading
 import urllib.parse
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,7 +41,11 @@ import pika.exceptions
 import pytest
 
 from services.orchestrator import ProcessCluster, ServiceProcess
+from services.server.service import Server
 from shared import identity, provision
+from shared.config import load_config
+from shared.experiment import Experiment
+from shared.schemas import Heartbeat, JoinReply, Kind, encode
 from shared.transport import KEY_CLIENTS, KEY_SERVER, BrokerUnavailable, Delivery, Departed, key_host
 from shared.transport.amqp import AmqpTransport, BrokerOptions
 from tests.conftest import log_events, read_rounds, wait_for, write_config
@@ -357,3 +369,97 @@ def test_a_host_that_hands_its_devices_back_leaves_with_exit_0_after_a_held_roun
     its devices back once the round ends, and exits 0 however the deletion of its user races its
     last ack and heartbeat; the run completes."""
     _leave_with_a_round_held(tmp_path, pins=None)
+
+
+# -- a server restart: the host users made before it ----------------------------------------------
+def _users(prefix: str) -> set[str]:
+    """The broker's users of a deployment, read from the management API directly (not through the
+    code under test; rabbitmqctl would take half a second a call)."""
+    parts = urllib.parse.urlsplit(ADMIN_API)
+    req = urllib.request.Request(f"{parts.scheme}://{parts.hostname}:{parts.port}/api/users")
+    token = base64.b64encode(f"{parts.username}:{parts.password}".encode()).decode()
+    req.add_header("Authorization", f"Basic {token}")
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return {u["name"] for u in json.loads(r.read()) if u["name"].startswith(prefix)}
+
+
+def test_a_restarted_server_deletes_the_host_users_made_before_it_and_keeps_the_live_ones(
+    tmp_path: Path,
+) -> None:
+    """A strict server makes two hosts' users, then dies without a word (a crash: no
+    ``forget_hosts``). Its successor must find them on the broker: the user of the host that died
+    with it is deleted once the first-heartbeat grace has passed; the live host, which heartbeats
+    again as its own user, keeps its user and gets the new server's lease; the end of the run
+    deletes that one too. Another experiment's host user on the same broker is never touched.
+    Before the fix the restarted server knew nothing of them: both lived until deleted by hand."""
+    _need_admin_api()
+    experiment = f"rs{uuid.uuid4().hex[:8]}"
+    dep = Deployment(experiment)
+    transports: list[AmqpTransport] = []
+
+    def server(run_dir: Path, exp: Experiment, admin: provision.BrokerAdmin) -> Server:
+        transport = AmqpTransport(dep.url(identity.server_user()), experiment)
+        transports.append(transport)
+        return Server(transport, exp, run_dir, experiment_id=experiment, admin=admin)
+
+    try:
+        admin = provision.BrokerAdmin(ADMIN_API, vhost=dep.vhost)
+        cfg = load_config(write_config(tmp_path / "c.yaml", hosts={"lease_timeout_s": 120}))
+        exp = Experiment.build(cfg)
+        run_dir = tmp_path / "run"
+        run_dir.mkdir()
+        first = server(run_dir, exp, admin)
+        replies: list[JoinReply] = []
+        errors: list[BaseException] = []
+
+        def join_two() -> None:
+            try:
+                for hint in ("gone", "alive"):
+                    replies.append(provision.join(dep.url(identity.join_user()), experiment, hint=hint))
+            except BaseException as err:
+                errors.append(err)
+
+        joining = threading.Thread(target=join_two, daemon=True)
+        joining.start()
+        while joining.is_alive():
+            first.turn(0.05)
+        assert not errors, errors
+        gone, alive = replies
+        transports[0].close()  # the crash: the first server deletes nothing
+        assert {gone.user, alive.user} <= _users(dep.prefix)
+        # another experiment's host user on the same broker, with the same user prefix
+        stranger = admin.create_host_user(f"{experiment}b", "hstranger", uuid.uuid4().hex)
+
+        second = server(run_dir, exp, admin)
+        second.first_heartbeat_grace_s = 2.0  # a dead host's user goes after this (5 min in a run)
+        host = AmqpTransport(dep.url(alive.user, alive.password), experiment, declare_topology=False)
+        transports.append(host)
+        queue = host.names.client_queue(alive.host_id)
+        got: list[Delivery] = []
+        host.declare_queue(queue, [KEY_CLIENTS, key_host(alive.host_id)])
+        host.consume(queue, got.append, prefetch=8)
+        beat = Heartbeat(host_id=alive.host_id, holding=[], epoch=-1)
+        host.publish(KEY_SERVER, encode(Kind.HEARTBEAT, beat, exp=experiment, round=0, sender=alive.host_id))
+
+        def turned(check: Any) -> Any:
+            def both() -> bool:
+                second.turn(0.05)
+                host.process(0.05)
+                return bool(check())
+
+            return both
+
+        wait_for(turned(lambda: gone.user not in _users(dep.prefix)), 60, "the dead host's user to go")
+        users = _users(dep.prefix)
+        assert alive.user in users and stranger in users
+        assert alive.host_id in second.leases.table.hosts  # its heartbeat was taken, as its own user
+        wait_for(turned(lambda: got), 30, "the live host to get the new server's lease")
+        host.close()
+        second.forget_hosts()  # the end of the run
+        users = _users(dep.prefix)
+        assert alive.user not in users and gone.user not in users
+        assert stranger in users
+    finally:
+        for t in transports:
+            t.close()
+        dep.close()

@@ -166,6 +166,9 @@ class _Admin:
     def delete_host(self, experiment: str, host_id: str) -> None:
         self.users.discard(host_id)
 
+    def host_ids(self, experiment: str) -> list[str]:
+        return sorted(self.users)
+
 
 def test_a_host_killed_between_its_join_answer_and_its_first_heartbeat_loses_its_broker_user(
     tmp_path: Path,

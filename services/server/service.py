@@ -177,10 +177,12 @@ class Server(ServiceBase):
 
         #: gives joining hosts broker users of their own (None: hosts come with their users)
         self.admin = admin
-        #: hosts this server made a broker user for, with when (deleted when they leave or expire,
-        #: or never heartbeat: ``_check_hosts``)
+        #: hosts with a broker user of this experiment, with when this server made it or found it
+        #: (``_adopt_host_users``); deleted when they leave or expire, or never heartbeat
+        #: (``_check_hosts``), or at the end (``forget_hosts``)
         self.provisioned: dict[str, float] = {}
         self.first_heartbeat_grace_s = FIRST_HEARTBEAT_GRACE_S
+        self._adopt_host_users()
         transport.declare_queue(transport.names.server_queue, [KEY_SERVER, KEY_JOIN])
         transport.declare_queue(transport.names.updates_queue, [KEY_UPDATE])
         handlers = self._handlers()
@@ -296,9 +298,49 @@ class Server(ServiceBase):
                 )
 
     def forget_hosts(self) -> None:
-        """After the run: delete every broker user made for it (the hosts got ``stop`` and closed)."""
+        """After the run: delete every broker user made for it (the hosts got ``stop`` and closed),
+        by this server or before it restarted — listed again here in case the listing at start
+        failed."""
+        self._adopt_host_users()
         for host_id in sorted(self.provisioned):
             self._forget_host(host_id)
+
+    def _adopt_host_users(self) -> None:
+        """Take over the host users the broker already has for this experiment, as if just made.
+
+        A server that crashed or whose pod was replaced made them, and they would otherwise work
+        until someone deleted them by hand. Adopted, each lives by the rules of any other: a host
+        that heartbeats again keeps its user (and its devices, ``Heartbeat.holding``) until it
+        leaves or expires; one that sends no heartbeat within ``first_heartbeat_grace_s`` has died
+        with the old server and loses it; the end of the run deletes them all.
+
+        Why ask the broker rather than keep ``provisioned`` in the checkpoint: the broker's list is
+        the truth, while a checkpoint is written only after a round, so the users made during
+        registration or since the last round would still be lost; nor does it change the checkpoint
+        format. ``BrokerAdmin.host_ids`` scopes the list to this vhost, user prefix and experiment.
+        """
+        if self.admin is None:
+            return
+        try:
+            found = self.admin.host_ids(self.experiment)
+        except ProvisionError as err:
+            self.log.error(
+                "cannot list the broker's host users (those made before a restart stay): %s",
+                err,
+                extra={"event": "provision_failed"},
+            )
+            return
+        now = time.time()
+        adopted = [host_id for host_id in found if host_id not in self.provisioned]
+        for host_id in adopted:
+            self.provisioned[host_id] = now
+        if adopted:
+            self.log.info(
+                "found %d host user(s) made before this server started: %s",
+                len(adopted),
+                adopted[:10],
+                extra={"event": "host_users_adopted"},
+            )
 
     def on_heartbeat(self, env: Envelope, msg: Heartbeat, d: Delivery) -> None:
         sender = self.sender(d)
@@ -460,9 +502,11 @@ class Server(ServiceBase):
         for host_id, made in list(self.provisioned.items()):
             if host_id not in known and now - made > self.first_heartbeat_grace_s:
                 # killed between its join answer and its first heartbeat (the join's SIGTERM
-                # handler cannot help with a SIGKILL): nothing else would ever delete its user
+                # handler cannot help with a SIGKILL), or, for a user found at start, gone with the
+                # server before this one: nothing else would ever delete its user
                 self.log.warning(
-                    "host %s got a broker user %.0fs ago and never heartbeat; deleting the user",
+                    "host %s got (or was found with) a broker user %.0fs ago and never heartbeat; "
+                    "deleting the user",
                     host_id,
                     now - made,
                     extra={"event": "host_never_started"},
