@@ -151,20 +151,28 @@ class BrokerAdmin:
         return len(self._get(path))
 
     def create_host_user(self, experiment: str, host_id: str, password: str) -> str:
+        """Make a host's user with its permissions. If any step fails the user is deleted again: a
+        user without its topic permission would be invisible to :meth:`host_ids` (so no server would
+        ever delete it) and, with vhost permissions but no topic restriction, could bind any key."""
         user = identity.host_user(host_id)
         p = host_permissions(experiment, host_id)
         u = urllib.parse.quote(user, safe="")
         self._call("PUT", f"/api/users/{u}", {"password": password, "tags": ""})
-        self._call(
-            "PUT",
-            f"/api/permissions/{self._v()}/{u}",
-            {"configure": p.configure, "write": p.write, "read": p.read},
-        )
-        self._call(
-            "PUT",
-            f"/api/topic-permissions/{self._v()}/{u}",
-            {"exchange": names(experiment).exchange, "write": p.topic_write, "read": p.topic_read},
-        )
+        try:
+            self._call(
+                "PUT",
+                f"/api/permissions/{self._v()}/{u}",
+                {"configure": p.configure, "write": p.write, "read": p.read},
+            )
+            self._call(
+                "PUT",
+                f"/api/topic-permissions/{self._v()}/{u}",
+                {"exchange": names(experiment).exchange, "write": p.topic_write, "read": p.topic_read},
+            )
+        except ProvisionError:
+            with contextlib.suppress(ProvisionError):
+                self._call("DELETE", f"/api/users/{u}")
+            raise
         return user
 
     def host_ids(self, experiment: str) -> list[str]:

@@ -12,9 +12,9 @@ These tests do what the server does, deterministically, over the real broker: a 
 unacknowledged, the user deleted, the broker's close frame waited for on the socket, then the ack and
 ``process``. No timing is asserted: what is asserted is the exception type and the transport's state.
 
-The last test is about the users' other end: a restarted server takes over the host users made
+The last tests are about the users' other end: a restarted server takes over the host users made
 before it (deleting those whose hosts are gone, keeping the live ones', touching no other
-experiment's).
+experiment's), and a user whose permissions could not be set is not left on the broker.
 """
 
 from __future__ import annotations
@@ -463,3 +463,15 @@ def test_a_restarted_server_deletes_the_host_users_made_before_it_and_keeps_the_
         for t in transports:
             t.close()
         dep.close()
+
+
+def test_a_host_user_whose_permissions_cannot_be_set_is_not_left_behind() -> None:
+    """A user made half-way (here its vhost does not exist, so its permissions are refused) is deleted
+    again: without its topic permission no server would ever find it to delete it
+    (``BrokerAdmin.host_ids``), and with vhost permissions but no topic ones it could bind any key."""
+    _need_admin_api()
+    admin = provision.BrokerAdmin(ADMIN_API, vhost=f"ff-missing-{uuid.uuid4().hex[:8]}")
+    host_id, password = provision.new_host()
+    with pytest.raises(provision.ProvisionError, match="permissions"):
+        admin.create_host_user("t", host_id, password)
+    assert identity.host_user(host_id) not in _users(identity.host_user(host_id))
