@@ -34,16 +34,8 @@ from shared.schemas import (
 )
 from shared.schemas import _Body as Body
 from shared.schemas.peers import PeerVersions
-from shared.topology import routable
+from shared.topology import TRANSIENT_KINDS, routable
 from shared.transport import KEY_SERVER, KEY_UPDATE, Delivery, Transport, Unroutable
-
-#: kinds a broker restart may lose without harm beyond their round, published transient (see
-#: ``Transport.publish``): a device's update, one per device per round and the bulk of the bytes.
-#: Losing it leaves its device silent in that round, as a crashed host does: the round completes
-#: without it, or is lost and repeated if it merged nothing (docs/broker.md, "Transient updates").
-#: Everything else (tasks a host has not read yet, leases, device state, round control) stays
-#: persistent: a run relies on them beyond one round.
-TRANSIENT_KINDS = frozenset({Kind.UPDATE, Kind.UPDATES})
 
 
 class PublishItem(NamedTuple):
@@ -197,8 +189,9 @@ class ServiceBase:
     ) -> None:
         """Decode, check and route one delivery; anything wrong goes to the dead-letter queue.
 
-        ``entry``: the delivery is one message of an ``answers`` (``shared.transport.split``), whose
-        bytes were counted as the ``answers`` was received; it gets every check a lone one gets."""
+        ``entry``: the delivery is one message of a bundle (``answers``, ``updates``:
+        ``shared.transport.split``), whose bytes were counted as the bundle was received; it gets
+        every check a lone one gets."""
         if not entry:
             metrics.RECEIVED_BYTES.labels(self.experiment, self.service, "any").inc(len(delivery.body))
             self.bytes_consumed += len(delivery.body)
@@ -409,9 +402,10 @@ class ServiceBase:
     def _bundle(self, bundling: Bundling) -> None:
         """Put the outbox's messages that ``bundling`` covers into bundles of at most
         ``bundling.max_entries`` entries and half the largest message a service takes
-        (``processes.max_message_bytes``), where the first of them was. Each carries the answered
-        deliveries of its messages: acked once it is published, dead-lettered ``unroutable`` if
-        nobody took it, as each alone would have been."""
+        (``processes.max_message_bytes``), where the first of them was; a message that would be
+        a bundle's only entry stays alone. Each carries the answered deliveries of its messages:
+        acked once it is published, dead-lettered ``unroutable`` if nobody took it, as each alone
+        would have been."""
         picked = [o for o in self.outbox if o.key == bundling.key and o.kind in bundling.kinds]
         if not picked:
             return
@@ -426,6 +420,11 @@ class ServiceBase:
             size += len(o.data) + 5  # with its bin frame
         bundles = []
         for chunk in chunks:
+            if len(chunk) == 1:
+                # alone, as it is: a bundle of one only adds its framing (and, for a message near
+                # ``max_message_bytes``, could push it past the limit)
+                bundles.append(chunk[0])
+                continue
             body = bundling.body([o.data for o in chunk])
             data = encode(bundling.kind, body, exp=self.experiment, round=0, sender="")
             answered = tuple(d for o in chunk for d in o.answers)
@@ -474,14 +473,15 @@ class ServiceBase:
         transient = {item.kind in TRANSIENT_KINDS for item in items}
         if len(transient) > 1:
             raise ValueError("one batch cannot mix transient and persistent messages")
+        rewritten = []
         for item in items:
             _check_route(item.kind, item.key)
-        items = [
-            item._replace(
-                data=self.peers.outgoing(item.key, item.data, exp=self.experiment, layouts=self.layouts)
-            )
-            for item in items
-        ]
+            data = self.peers.outgoing(item.key, item.data, exp=self.experiment, layouts=self.layouts)
+            if item.inner is not None and data is not item.data:
+                # its entries' sizes (``inner``) are of the version they were written in
+                raise ValueError(f"a {item.kind.value} bundle is never rewritten for an older host")
+            rewritten.append(item._replace(data=data))
+        items = rewritten
         unroutable = self.transport.publish_many(
             [(item.key, item.data) for item in items], transient=transient == {True}
         )

@@ -65,7 +65,7 @@ class Line:
         )
         tail = f"  [{summary}]" if summary else ""
         err = f"  ({self.error})" if self.error else ""
-        kind = f"  in {self.entry_of}: {self.kind}" if self.entry_of else self.kind
+        kind = f"└ {self.kind}" if self.entry_of else self.kind  # under its bundle's line
         return f"{clock} {kind:<13} {self.user:<28}{rnd}{dev} {self.bytes} B{tail}{err}"
 
 
@@ -99,17 +99,17 @@ class Tap:
         """The message's line, then, for a bundle of whole messages (a host's ``answers`` or
         ``updates``), one line per entry: each is the message its device sent (its device, its
         tensors), which a bundle's own line would hide."""
-        line = self.describe(body, headers)
+        line, msg = self._describe(body, headers)
         lines = [line]
         if line.kind in BUNDLES and not line.error:
-            msg = decode(body, max_bytes=len(body) + 1, exp=self.experiment, layouts=self.layouts)[1]
             for entry in getattr(msg, "messages", []):
-                inner = self.describe(entry, headers)
+                inner, _ = self._describe(entry, headers)
                 inner.entry_of = line.kind
                 lines.append(inner)
         return lines
 
-    def describe(self, body: bytes, headers: dict[str, Any]) -> Line:
+    def _describe(self, body: bytes, headers: dict[str, Any]) -> tuple[Line, Any]:
+        """One message's line, and its body (None if it does not decode)."""
         props = headers.get("properties") or {}
         user = _text(props.get("user_id")) or "?"
         keys = headers.get("routing_keys") or [""]
@@ -120,7 +120,7 @@ class Tap:
             line.error = f"{err.reason}: {err}"
             if err.env is not None:
                 line.kind, line.round = err.env.kind.value, err.env.round
-            return line
+            return line, None
         for layout in env.layouts:
             self.layouts.learn(layout)
         if isinstance(msg, RoundOpen):
@@ -133,7 +133,7 @@ class Tap:
                 line.tensors.append(_tensor_summary(name, enc))
             except codec.CodecError as err:
                 line.error = f"tensor {name}: {err.reason}"
-        return line
+        return line, msg
 
     def wanted(self, line: Line) -> bool:
         if self.kinds and line.kind not in self.kinds:

@@ -32,7 +32,7 @@ from shared.schemas import (
     Envelope,
     Kind,
 )
-from shared.topology import QUEUES, REPLY_TO, ROUTES
+from shared.topology import QUEUES, REPLY_TO, ROUTES, TRANSIENT_KINDS
 
 SCHEMAS = "#/components/schemas/{model}"
 #: the role that publishes each kind where no receiver's table names it
@@ -159,7 +159,8 @@ def _operations() -> dict[str, Any]:
                         "amqp": {
                             "bindingVersion": "0.3.0",
                             "userId": f"the {role}'s broker user",
-                            "deliveryMode": 2,
+                            # 1 (transient) by default for updates (RABBITMQ_UPDATE_DELIVERY)
+                            "deliveryMode": 1 if kind in TRANSIENT_KINDS else 2,
                         }
                     },
                 }

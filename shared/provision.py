@@ -137,6 +137,8 @@ class BrokerAdmin:
             raise ProvisionError(f"GET {self.base}{path}: HTTP {err.code} {err.reason}") from None
         except OSError as err:
             raise ProvisionError(f"GET {self.base}{path}: {err}") from None
+        except ValueError as err:  # not JSON: a proxy's page, say
+            raise ProvisionError(f"GET {self.base}{path}: not JSON ({err})") from None
 
     def tracing(self) -> bool:
         """Whether RabbitMQ's firehose tracer is on for the vhost (what ``fedfleet tap`` reads)."""
@@ -157,8 +159,9 @@ class BrokerAdmin:
         user = identity.host_user(host_id)
         p = host_permissions(experiment, host_id)
         u = urllib.parse.quote(user, safe="")
-        self._call("PUT", f"/api/users/{u}", {"password": password, "tags": ""})
         try:
+            # inside: a PUT that timed out may still have made the user
+            self._call("PUT", f"/api/users/{u}", {"password": password, "tags": ""})
             self._call(
                 "PUT",
                 f"/api/permissions/{self._v()}/{u}",
@@ -185,7 +188,12 @@ class BrokerAdmin:
         names alone would not do: a host user's name carries no experiment."""
         exchange = names(experiment).exchange
         found: set[str] = set()
-        for perm in self._get(f"/api/vhosts/{self._v()}/topic-permissions"):
+        listed = self._get(f"/api/vhosts/{self._v()}/topic-permissions")
+        if not isinstance(listed, list):
+            raise ProvisionError(f"topic permissions of vhost {self.vhost!r}: expected a list")
+        for perm in listed:
+            if not isinstance(perm, dict):
+                continue
             sender = identity.identify(str(perm.get("user", "")))
             if sender.role is identity.Role.HOST and sender.host_id and perm.get("exchange") == exchange:
                 found.add(sender.host_id)

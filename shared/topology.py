@@ -52,6 +52,17 @@ ROUTES: dict[Kind, tuple[str, ...]] = {
 }
 
 
+#: kinds a broker restart may lose without harm beyond their round, published transient (see
+#: ``Transport.publish``; ``RABBITMQ_UPDATE_DELIVERY=persistent`` makes them persistent too): a
+#: device's update, one per device per round and the bulk of the bytes, alone or in a host's
+#: ``updates``.
+#: Losing it leaves its device silent in that round, as a crashed host does: the round completes
+#: without it, or is lost and repeated if it merged nothing (docs/broker.md, "Transient updates").
+#: Everything else (tasks a host has not read yet, leases, device state, round control) stays
+#: persistent: a run relies on them beyond one round.
+TRANSIENT_KINDS = frozenset({Kind.UPDATE, Kind.UPDATES})
+
+
 @dataclass(frozen=True)
 class Queue:
     """One queue an experiment declares: its name (``{exp}`` the experiment id), the routing keys it

@@ -352,16 +352,7 @@ def test_a_hosts_answers_of_a_turn_go_in_one_message_with_the_same_model(
     assert {k for _, k, _ in sent} == {Kind.READY} and len(sent) == entries > 8
     _assert_same_run(bundled, lone)
 
-    failed: list[int] = []
-    real = Server.on_ready
-
-    def once_a_bug(self: Server, env: Any, msg: Any, d: Any) -> None:
-        if env.round == 2 and not failed:
-            failed.append(msg.device_id)
-            raise RuntimeError("a bug on one ready")
-        real(self, env, msg, d)
-
-    monkeypatch.setattr(Server, "on_ready", once_a_bug)
+    failed = _a_bug_once_in_round_2(monkeypatch, Server, "on_ready")
     # the lost ready keeps round 2 open until its deadline (round 1 must fit in it, warm-up and all)
     run, _ = _run(tmp_path, "answers-bug", "answers", **{**overrides, "round_timeout_s": 8})
     # (a ready lost this way leaves the server waiting for it until round 2's deadline, as a lone
@@ -373,6 +364,22 @@ def test_a_hosts_answers_of_a_turn_go_in_one_message_with_the_same_model(
     assert not [x for x in letters if x["kind"] == "answers"]
     (letter,) = [x for x in letters if x["reason"] == "handler-error"]
     assert (letter["kind"], letter["round"]) == ("ready", 2)  # the entry as its lone message
+
+
+def _a_bug_once_in_round_2(monkeypatch: pytest.MonkeyPatch, cls: type, method: str) -> list[int]:
+    """Make ``cls.method(env, msg, d)`` raise once, for the first message of round 2 (a bug in
+    handling one entry of a bundle); returns the list its device id is added to."""
+    failed: list[int] = []
+    real = getattr(cls, method)
+
+    def once_a_bug(self: Any, env: Any, msg: Any, d: Any) -> None:
+        if env.round == 2 and not failed:
+            failed.append(msg.device_id)
+            raise RuntimeError(f"a bug in {method}")
+        real(self, env, msg, d)
+
+    monkeypatch.setattr(cls, method, once_a_bug)
+    return failed
 
 
 def _bundle_but(kind: Kind) -> Any:
@@ -431,16 +438,7 @@ def test_a_hosts_updates_of_a_flush_go_in_one_message_with_the_same_model(
     assert {k for _, k, _ in sent} == {Kind.UPDATE} and len(sent) == entries
     _assert_same_run(bundled, lone)
 
-    failed: list[int] = []
-    real = Aggregator.on_update
-
-    def once_a_bug(self: Aggregator, env: Any, msg: Any, d: Any) -> None:
-        if env.round == 2 and not failed:
-            failed.append(msg.device_id)
-            raise RuntimeError("a bug on one update")
-        real(self, env, msg, d)
-
-    monkeypatch.setattr(Aggregator, "on_update", once_a_bug)
+    failed = _a_bug_once_in_round_2(monkeypatch, Aggregator, "on_update")
     # the lost update keeps round 2 open until its deadline (round 1 must fit in it, warm-up and all)
     run, _ = _run(tmp_path, "updates-bug", "updates-x", **{**overrides, "round_timeout_s": 8})
     rows = read_rounds(run)
@@ -462,17 +460,7 @@ def test_an_entry_that_fails_is_dead_lettered_alone_and_the_hosts_other_devices_
     before, the whole message was dead-lettered and the round lost all of them."""
     from services.client.service import Client
 
-    failed: list[int] = []
-    method = "_dispatch_task" if kind == "task" else "_go"
-    real = getattr(Client, method)
-
-    def once_a_bug(self: Client, env: Any, msg: Any, d: Any) -> None:
-        if env.round == 2 and not failed:
-            failed.append(msg.device_id)
-            raise RuntimeError("a bug on one device")
-        real(self, env, msg, d)
-
-    monkeypatch.setattr(Client, method, once_a_bug)
+    failed = _a_bug_once_in_round_2(monkeypatch, Client, "_dispatch_task" if kind == "task" else "_go")
     overrides: dict[str, Any] = {
         "num_devices": 12,
         "devices_per_round": 6,

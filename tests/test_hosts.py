@@ -212,3 +212,29 @@ def test_a_host_killed_between_its_join_answer_and_its_first_heartbeat_loses_its
     server._check_hosts(late)
     assert admin.users == {alive}
     assert set(server.provisioned) == {alive}
+
+
+def test_a_server_stopped_mid_run_leaves_its_host_users_to_its_successor(tmp_path: Path) -> None:
+    """As ``fedfleet server`` ends: a run stopped mid-way (SIGTERM) keeps its hosts' broker users,
+    since its hosts go on and the next server takes the users over; a run that is over deletes
+    them. (Before, every exit deleted them, cutting live hosts off in an upgrade.)"""
+    from services.cli import release_host_users
+    from services.server.service import Server
+    from shared.config import load_config
+    from shared.experiment import Experiment
+    from shared.transport.inproc import InprocBroker, InprocTransport
+    from tests.conftest import write_config
+
+    cfg = load_config(write_config(tmp_path / "c.yaml"))
+    admin = _Admin()
+    admin.users = {"h1", "h2"}  # made by this server or one before it
+    (tmp_path / "run").mkdir()
+    transport = InprocTransport(InprocBroker(), "stops", "fedfleet-server")
+    server = Server(transport, Experiment.build(cfg), tmp_path / "run", experiment_id="stops", admin=admin)  # type: ignore[arg-type]
+    assert set(server.provisioned) == {"h1", "h2"}  # taken over at start
+    server.stopped = True  # SIGTERM, mid-registration
+    release_host_users(server)
+    assert admin.users == {"h1", "h2"}
+    server.error = "round 3 was lost 3 times"  # a run that failed is over
+    release_host_users(server)
+    assert admin.users == set()

@@ -13,6 +13,8 @@ its devices honestly, and in round 2 tries everything a client host can try:
 * read other devices' updates (consume the updates queue, bind ``update``) — the broker refuses;
 * send an update for another host's device, and an altered copy of one of its own — ``forged``;
 * a refusal in another device's name — ``forged``;
+* the same inside an ``answers`` (to the server) or an ``updates`` (to the aggregators), with a
+  partial and a nested ``updates`` among the entries — each entry refused alone, as itself;
 * forge ``round_open`` / ``stop`` to aggregators and clients (publish with their keys) — the broker
   refuses;
 * delete or purge another host's queue, the dead-letter queue, the exchange — the broker refuses.
@@ -43,7 +45,7 @@ from services.orchestrator import ProcessCluster, run_inproc
 from shared import codec, identity, provision
 from shared.config import load_config
 from shared.experiment import Experiment
-from shared.schemas import Answers, Kind, Partial, Receipt, Receipts, Reject, Stop, Update, encode
+from shared.schemas import Answers, Kind, Partial, Receipt, Receipts, Reject, Stop, Update, Updates, encode
 from shared.transport import KEY_AGGREGATORS, KEY_CLIENTS, KEY_SERVER, KEY_UPDATE
 from shared.transport.amqp import AmqpTransport
 from tests.conftest import read_rounds, wait_for, write_config
@@ -147,6 +149,8 @@ class Attacker(Client):
     host_url: str
     #: the entries of the ``answers`` it sends (each must be dead-lettered alone, as itself)
     smuggled: list[bytes]
+    #: the entries of the ``updates`` it sends the aggregators (likewise)
+    smuggled_updates: list[bytes]
 
     def on_task(self, env: Any, msg: Any, d: Any) -> None:
         others_exist = any(d not in self.data for d in range(self.exp.cfg.num_devices))
@@ -186,6 +190,18 @@ class Attacker(Client):
         other_refusal = Reject(device_id=others[0], reason="dropout")
         self.smuggled = [message(Kind.PARTIAL, partial), message(Kind.REJECT, other_refusal, msg.key)]
         self.transport.publish(KEY_SERVER, message(Kind.ANSWERS, Answers(messages=self.smuggled)))
+        # 8. the same inside an ``updates`` to the aggregators, where each entry gets a lone
+        #    update's checks: an update for another host's device (MAC'd with this device's key),
+        #    a partial, and an ``updates`` inside the ``updates``
+        others_update = Update(device_id=others[0], num_samples=9, tensors=dense)
+        nested = message(Kind.UPDATES, Updates(messages=[message(Kind.UPDATE, others_update, msg.key)]))
+        self.smuggled_updates = [
+            message(Kind.UPDATE, others_update, msg.key),
+            message(Kind.PARTIAL, partial),
+            nested,
+        ]
+        bundle = message(Kind.UPDATES, Updates(messages=self.smuggled_updates))
+        self.transport.publish(KEY_UPDATE, bundle, transient=True)
         # 2./4./6. what the broker must refuse this host's own user
         url, q = self.host_url, self.queue
         stop = message(Kind.STOP, Stop())
@@ -313,6 +329,13 @@ def test_every_attack_a_client_host_can_make_is_refused(tmp_path: Path) -> None:
         # inside the ``answers``: each entry refused alone, as the lone message it is
         partial_entry, refusal_entry = attacker.smuggled
         assert ("unexpected-kind", partial_entry) in letters and ("forged", refusal_entry) in letters
+        # inside the ``updates``: likewise, at the aggregator (the other device's update is
+        # ``unknown-device`` if it was not selected this round, else ``forged``)
+        others_entry, partial_entry, nested = attacker.smuggled_updates
+        assert {r for r, body in letters if body == others_entry} <= {"forged", "unknown-device"}
+        assert [body for _, body in letters].count(others_entry) == 1
+        assert letters.count(("unexpected-kind", partial_entry)) == 2  # in the answers and here
+        assert ("unexpected-kind", nested) in letters
         # no attack changed anything: the model of the same run without an attacker
         assert [r["outcome"] for r in read_rounds(cluster.run_dir)] == ["completed"] * 4
         reference = tmp_path / "reference"

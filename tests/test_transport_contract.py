@@ -325,6 +325,43 @@ def test_publish_soon_publishes_at_the_flush_in_order_and_says_when_nobody_liste
     assert all(isinstance(b, Receipt) for b in bodies)
 
 
+def test_a_flushs_updates_go_as_one_updates_message_and_a_lone_one_alone(make: Factory) -> None:
+    """A host's flush (``Bundling``): its updates go as one ``updates`` message whose entries are
+    the lone messages, in order, published transient; an update that would be a bundle's only entry
+    goes alone. The wire-bytes counter of kind ``update`` counts the entries' bytes either way, the
+    bundle's framing goes under ``updates``."""
+    from prometheus_client import REGISTRY
+
+    from services.common import UPDATES_BUNDLE
+    from shared.schemas import Kind, Updates, decode
+    from shared.transport.base import KEY_UPDATE
+
+    t = make()
+    sink = _Sink(t, max_bytes=1 << 20)
+    sink.bundling = (UPDATES_BUNDLE,)
+    q = _queue(t, "updates")
+    t.declare_queue(q, [KEY_UPDATE])
+    labels = {"experiment": sink.experiment, "algorithm": "fedavg", "service": "server", "direction": "up"}
+
+    def wire(kind: str) -> float:
+        return REGISTRY.get_sample_value("fedfleet_wire_bytes_total", {**labels, "kind": kind}) or 0.0
+
+    lone = [f"update {i}".encode() * 50 for i in range(4)]  # opaque bodies: only their bytes matter
+    sink.publish_soon(KEY_UPDATE, Kind.UPDATE, lone[0])
+    sink.flush()
+    for data in lone[1:]:
+        sink.publish_soon(KEY_UPDATE, Kind.UPDATE, data)
+    sink.flush()
+    got: list[Delivery] = []
+    t.consume(q, got.append, prefetch=8)
+    _pump([t], lambda: len(got) == 2)
+    assert got[0].body == lone[0]
+    env, bundle = decode(got[1].body, max_bytes=1 << 20, exp=t.names.experiment)
+    assert env.kind is Kind.UPDATES and isinstance(bundle, Updates) and bundle.messages == lone[1:]
+    assert wire("update") == sum(map(len, lone))
+    assert wire("updates") == len(got[1].body) - sum(map(len, lone[1:])) > 0
+
+
 def test_publish_soon_acks_what_it_answers_only_once_published(make: Factory) -> None:
     """``publish_soon`` (a client's uploads in virtual time): the delivery a message answers (its
     task) is acked by the flush that published it, never before; if no queue took the message the

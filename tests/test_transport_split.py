@@ -50,6 +50,32 @@ def test_a_part_nacked_with_requeue_sends_the_whole_message_back() -> None:
     assert events == ["nack requeue=True"]  # the message is settled: nothing more reaches the broker
 
 
+def test_a_part_rejected_before_a_sibling_sends_the_message_back_is_not_dead_lettered_twice() -> None:
+    """An aggregator's turn: one entry of an ``updates`` is rejected (its dead letter waits for the
+    turn's end), then a sibling puts the whole message back (its round not announced yet). The
+    rejected entry comes back with it and is dead-lettered then: storing the first dead letter too
+    would record it twice."""
+    from shared.transport.inproc import InprocBroker, InprocTransport
+
+    t = InprocTransport(InprocBroker(), "split")
+    q = t.names.updates_queue
+    t.declare_queue(q, ["update"])
+    t.publish("update", b"bundle")
+    got: list[Delivery] = []
+    t.consume(q, got.append, prefetch=1)
+    t.process(0)
+    (bundle,) = got
+    bad, early, later = split(bundle, [b"bad", b"early", b"later"])
+    bad.doomed = True  # ServiceBase.reject within a turn
+    early.nack(requeue=True)
+    bad.doomed = False  # the turn's end stores its dead letters
+    t.dead_letter_many([(bad, "nonfinite", "device 1: non-finite values")])
+    later.ack()  # a part handled after the requeue: reaches the broker no more
+    assert t.queue_depth(t.names.dead_letter_queue) == 0
+    t.process(0)
+    assert len(got) == 2 and got[1].redelivered and got[1].body == b"bundle"
+
+
 def test_a_part_left_unsettled_keeps_the_message_unacked() -> None:
     d, events = _parent()
     parts = split(d, [b"a", b"b", b"c"])

@@ -176,7 +176,7 @@ class Aggregator(ServiceBase):
         }
         transport.consume(own, lambda d: self.dispatch(d, control), prefetch=256)
         self._entry_handlers: dict[Kind, MessageHandler] = {Kind.UPDATE: self.on_update}
-        data: dict[Kind, MessageHandler] = {Kind.UPDATE: self.on_update, Kind.UPDATES: self.on_updates}
+        data = {**self._entry_handlers, Kind.UPDATES: self.on_updates}
         transport.consume(names.updates_queue, lambda d: self.dispatch(d, data), prefetch=prefetch)
         metrics.AGGREGATION_SECONDS.labels(experiment_id, algorithm)  # series exists before the first update
         self.log.info("aggregator %s ready", aggregator_id, extra={"event": "aggregator_ready"})
@@ -261,12 +261,19 @@ class Aggregator(ServiceBase):
 
         An entry put back (its round not announced yet, an overlapping partial) puts the whole
         message back: the entries not yet handled are left for its redelivery, so a host's flush
-        costs one wait for an unannounced round, not one per entry. Entries already reduced come
-        back redelivered too and go as singletons, which the server refuses as duplicates once
-        their first partial is merged (dead-lettered ``duplicate``, counted once in the model): the
-        cost of at-least-once, as after an aggregator's crash. The prefetch window counts these
-        messages, the held-update bound (``_send_if_full``) their updates: a partial goes as soon as
-        either fills."""
+        costs one wait for an unannounced round, not one per entry, and the dead letters of entries
+        rejected earlier in the turn are not stored (their redelivery is rejected again: ``split``).
+        Entries already reduced come back redelivered too and go as singletons: whichever of their
+        two partials the server decides second is refused (as ``duplicate`` or ``overlap``), and
+        each update counts once. After an ``overlap`` (a duplicate that reached two aggregators:
+        an aggregator crashed) this can repeat for the next bundles of the round, which then goes
+        by singletons — more partials, the same model; lone updates put back only their own batch.
+
+        The prefetch window counts these messages, the held-update bound (``_send_if_full``)
+        their updates: a partial goes as soon as either fills. So an aggregator may hold up to
+        ``processes.prefetch`` bundles of up to 8 updates each (a bundle's size is capped at half
+        ``processes.max_message_bytes``, as a lone message at the whole), with the bundle's bytes
+        and its entries' copies both alive until its last entry is settled."""
         for part in split(d, msg.messages):
             if d.settled:  # put back whole by an entry: the rest return with it
                 break
@@ -414,7 +421,8 @@ class Aggregator(ServiceBase):
             self._send_batch()
 
     def held_updates(self) -> int:
-        """Updates whose acks wait for a decision (bounded by the prefetch)."""
+        """Updates whose acks wait for a decision. The broker's window (the prefetch) counts
+        messages, and a host's ``updates`` is one message of up to 8: this may exceed it."""
         return len(self.batch.deliveries) + sum(len(b.deliveries) for b in self.pending.values())
 
     def _receipt(self, env: Envelope, msg: Update, d: Delivery, update: UpdateSpec) -> None:

@@ -176,8 +176,9 @@ class ProcessConfig(_Strict):
     aggregators: int = Field(1, ge=1)
     #: client processes; the devices are dealt over them
     clients: int = Field(2, ge=1)
-    #: updates an aggregator may hold unacknowledged: with ``prefetch - 1`` held and no partial of
-    #: its own awaiting the server's decision, it sends them as a partial on its own
+    #: messages an aggregator may hold unacknowledged (a lone update, or a host's ``updates`` of
+    #: up to 8); with ``prefetch - 1`` updates held and no partial of its own awaiting the server's
+    #: decision, it sends them as a partial on its own
     prefetch: int = Field(32, ge=2)
     #: messages a client host takes from its queue at once: lone tasks in real time (or from a host
     #: of schema version 6), and in virtual time one ``tasks`` message per host and round that holds

@@ -122,6 +122,7 @@ def split(delivery: Delivery, bodies: list[bytes]) -> list[Delivery]:
     broker would dead-letter them all, so such a part is only settled (nothing nacks that way).
     """
     left = [len(bodies)]
+    parts: list[Delivery] = []
 
     def settled() -> None:
         left[0] -= 1
@@ -131,10 +132,15 @@ def split(delivery: Delivery, bodies: list[bytes]) -> list[Delivery]:
     def nacked(requeue: bool) -> None:
         if requeue:
             delivery.nack(requeue=True)
+            # the whole message comes back: no part of it is settled on its own any more (the dead
+            # letter of a part rejected earlier in this turn, still to be stored, is not stored:
+            # its redelivery is dead-lettered again)
+            for part in parts:
+                part.settled = True
         else:
             settled()
 
-    return [
+    parts += [
         Delivery(
             body=body,
             routing_key=delivery.routing_key,
@@ -148,6 +154,7 @@ def split(delivery: Delivery, bodies: list[bytes]) -> list[Delivery]:
         )
         for body in bodies
     ]
+    return parts
 
 
 Handler = Callable[[Delivery], None]
