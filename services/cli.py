@@ -42,7 +42,6 @@ from shared.config import (
 from shared.results import read_summary, write_summary
 
 if TYPE_CHECKING:  # torch stays out of the CLI's start-up path
-    from services.server.service import Server
     from shared.algorithms.base import Strategy
     from shared.experiment import Experiment
 
@@ -175,27 +174,11 @@ def cmd_server(args: argparse.Namespace) -> int:
     server.run()
     transport.close()
     _linger(settings)
-    release_host_users(server)
+    server.release_host_users()
     if server.error:
         print(server.error, file=sys.stderr)
         return 1
     return 0 if server.phase == "done" else 3
-
-
-def release_host_users(server: Server) -> None:
-    """As the server process ends: delete the run's host users if the run is over (done, or
-    failed: the hosts got ``stop`` and closed meanwhile); if it was stopped mid-run (SIGTERM: an
-    upgrade, a replaced pod), leave them. The hosts go on, and the next server of this experiment
-    takes their users over (``Server._adopt_host_users``): deleting them would cut every live host
-    off, and race a successor already making users of its own."""
-    if server.phase == "done" or server.error:
-        server.forget_hosts()
-    elif server.provisioned:
-        server.log.info(
-            "left %d host users for the next server of this experiment",
-            len(server.provisioned),
-            extra={"event": "host_users_left"},
-        )
 
 
 def cmd_aggregator(args: argparse.Namespace) -> int:

@@ -35,7 +35,7 @@ from shared.schemas import (
 from shared.schemas import _Body as Body
 from shared.schemas.peers import PeerVersions
 from shared.topology import TRANSIENT_KINDS, routable
-from shared.transport import KEY_SERVER, KEY_UPDATE, Delivery, Transport, Unroutable
+from shared.transport import KEY_SERVER, KEY_UPDATE, Delivery, Transport, Unroutable, key_host
 
 
 class PublishItem(NamedTuple):
@@ -131,6 +131,12 @@ class Bundling:
     kind: Kind
     body: Callable[[list[bytes]], Body]
     max_entries: int
+
+    def __post_init__(self) -> None:
+        # what goes to a host may be rewritten for its schema version (``PeerVersions.outgoing``),
+        # and a bundle's entries (their MACs, the sizes counted: ``PublishItem.inner``) cannot be
+        if self.key.startswith(key_host("")):
+            raise ValueError(f"a bundle never goes to a host's key ({self.key!r})")
 
 
 #: a host's devices' answers to the server (``ready``, ``reject``, ``eval_result``)
@@ -477,9 +483,6 @@ class ServiceBase:
         for item in items:
             _check_route(item.kind, item.key)
             data = self.peers.outgoing(item.key, item.data, exp=self.experiment, layouts=self.layouts)
-            if item.inner is not None and data is not item.data:
-                # its entries' sizes (``inner``) are of the version they were written in
-                raise ValueError(f"a {item.kind.value} bundle is never rewritten for an older host")
             rewritten.append(item._replace(data=data))
         items = rewritten
         unroutable = self.transport.publish_many(

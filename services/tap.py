@@ -28,6 +28,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from services.common import ANSWERS_BUNDLE, UPDATES_BUNDLE
 from shared import codec
 from shared.codec.tensorset import LayoutCache
 from shared.provision import TRACE_EXCHANGE, BrokerAdmin, ProvisionError
@@ -37,7 +38,7 @@ from shared.transport import KEY_CLIENTS, names
 #: after the run ends (or SIGTERM), the tap reads on until nothing has come for this long
 QUIET_S = 2.0
 #: kinds that carry whole messages, shown entry by entry too (``Tap.describe_all``)
-BUNDLES = frozenset({Kind.ANSWERS.value, Kind.UPDATES.value})
+BUNDLES = frozenset(b.kind.value for b in (ANSWERS_BUNDLE, UPDATES_BUNDLE))
 
 
 @dataclass

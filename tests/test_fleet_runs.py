@@ -422,15 +422,16 @@ def test_a_hosts_updates_of_a_flush_go_in_one_message_with_the_same_model(
         return REGISTRY.get_sample_value("fedfleet_wire_bytes_total", {**labels, "kind": kind}) or 0.0
 
     bundled, _ = _run(tmp_path, "updates", "updates-b", **overrides)
-    assert {k for _, k, _ in sent} == {Kind.UPDATES}
+    # (a flush that held one update sends it alone: a slow machine's timer may split a flush)
+    assert Kind.UPDATES in {k for _, k, _ in sent} and {k for _, k, _ in sent} <= {Kind.UPDATES, Kind.UPDATE}
     entries = sum(n for _, _, n in sent)
     participants = sum(int(r["participants"]) for r in read_rounds(bundled))
-    assert entries == participants == 36 and len(sent) < entries  # 12 a round, 8 or fewer a flush
+    assert entries == participants == 36 and len(sent) <= entries / 2  # 12 a round, 8 or fewer a flush
     assert max(n for _, _, n in sent) <= 8
     summary = json.loads((bundled / "summary.json").read_text())
     # every update's bytes under kind="update" (device uplink plus telemetry), the framing apart
     assert wire("updates-b", "update") == summary["bytes_up"] + summary["telemetry_bytes_up"]
-    assert 0 < wire("updates-b", "updates") < 64 * len(sent)
+    assert 0 < wire("updates-b", "updates") < 64 * sum(k is Kind.UPDATES for _, k, _ in sent)
     sent.clear()
     with monkeypatch.context() as m:
         m.setattr(ServiceBase, "_bundle", _bundle_but(Kind.UPDATES))

@@ -218,7 +218,7 @@ def test_a_server_stopped_mid_run_leaves_its_host_users_to_its_successor(tmp_pat
     """As ``fedfleet server`` ends: a run stopped mid-way (SIGTERM) keeps its hosts' broker users,
     since its hosts go on and the next server takes the users over; a run that is over deletes
     them. (Before, every exit deleted them, cutting live hosts off in an upgrade.)"""
-    from services.cli import release_host_users
+    from services.server.round import Phase
     from services.server.service import Server
     from shared.config import load_config
     from shared.experiment import Experiment
@@ -233,8 +233,8 @@ def test_a_server_stopped_mid_run_leaves_its_host_users_to_its_successor(tmp_pat
     server = Server(transport, Experiment.build(cfg), tmp_path / "run", experiment_id="stops", admin=admin)  # type: ignore[arg-type]
     assert set(server.provisioned) == {"h1", "h2"}  # taken over at start
     server.stopped = True  # SIGTERM, mid-registration
-    release_host_users(server)
+    server.release_host_users()
     assert admin.users == {"h1", "h2"}
-    server.error = "round 3 was lost 3 times"  # a run that failed is over
-    release_host_users(server)
+    server.phase = Phase.DONE  # a run that is over (finished, or failed: ``_fail``)
+    server.release_host_users()
     assert admin.users == set()

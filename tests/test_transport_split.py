@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 
 from shared.transport import Delivery, split
@@ -103,3 +106,60 @@ def test_a_client_flushes_its_answers_at_8_uploads_or_once_the_oldest_waited(
     host._uploads = 0
     now[0] += ANSWERS_WAIT_S
     assert host.outbox_full()
+
+
+def test_an_aggregator_puts_back_a_bundle_of_an_unannounced_round_once_and_refuses_a_mixed_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ``updates`` whose entries are all of a round the aggregator has not heard of waits for it:
+    put back once, after one pause, before any entry is handled (handled and then put back, its
+    entries would come back redelivered until the round opened). One that mixes the open round's
+    updates with the next round's (no honest host sends it) has the early ones dead-lettered
+    ``unknown-round`` and the others handled."""
+    import services.aggregator.service as agg_module
+    from services.aggregator.service import Aggregator
+    from shared.config import load_config
+    from shared.experiment import Experiment
+    from shared.schemas import Kind, Update, Updates, decode, encode
+    from shared.transport.inproc import InprocBroker, InprocTransport
+    from tests.conftest import write_config
+
+    exp = Experiment.build(load_config(write_config(tmp_path / "c.yaml")))
+    t = InprocTransport(InprocBroker(), "early")  # dev mode: no sender checks
+    agg = Aggregator(
+        t,
+        exp.aggregation_strategy,
+        experiment_id="early",
+        algorithm="fedavg",
+        aggregator_id="a",
+        prefetch=8,
+        max_bytes=1 << 20,
+    )
+    pauses: list[float] = []
+    handled: list[int] = []
+    monkeypatch.setattr(agg_module.time, "sleep", pauses.append)
+    monkeypatch.setattr(agg, "on_update", lambda env, msg, d: handled.append(msg.device_id))
+    agg._entry_handlers[Kind.UPDATE] = agg.on_update
+
+    def bundle(*rounds: int) -> tuple[Any, Any, Delivery, list[bool]]:
+        entries = [
+            encode(
+                Kind.UPDATE, Update(device_id=i, num_samples=1), exp="early", round=r, sender="", inc="abcd"
+            )
+            for i, r in enumerate(rounds)
+        ]
+        data = encode(Kind.UPDATES, Updates(messages=entries), exp="early", round=0, sender="")
+        env, msg = decode(data, max_bytes=1 << 20, exp="early")
+        nacks: list[bool] = []
+        d = Delivery(body=data, routing_key="update", redelivered=False, _nack=nacks.append)
+        return env, msg, d, nacks
+
+    env, msg, d, nacks = bundle(1, 1, 1)  # before any round_open
+    agg.on_updates(env, msg, d)
+    assert (nacks, len(pauses), handled) == ([True], 1, [])
+    agg.round, agg.inc = 1, "abcd"  # round 1 is open
+    env, msg, d, nacks = bundle(1, 2, 1)
+    agg.on_updates(env, msg, d)
+    assert (nacks, len(pauses), handled) == ([], 1, [0, 2])
+    (letter,) = t.broker.queues[t.names.dead_letter_queue]
+    assert letter.headers["x-fedfleet-reason"] == "unknown-round" and letter.body == msg.messages[1]

@@ -50,6 +50,7 @@ from shared.schemas import (
     Update,
     Updates,
     encode,
+    message_parts,
     task_key,
     verify,
 )
@@ -206,13 +207,16 @@ class Aggregator(ServiceBase):
         """An update naming a layout of a round whose announcement has not reached us yet (a
         restarted aggregator, say) waits for it, as an update of an unannounced round does; in the
         open round, an unknown layout is a bad message."""
-        if env.kind is Kind.UPDATE and (
-            self.round < 0 or (env.inc == self.inc and env.round == self.round + 1)
-        ):
+        if env.kind is Kind.UPDATE and self._unannounced(env):
             time.sleep(REQUEUE_PAUSE_S)
             delivery.nack(requeue=True)
             return
         self.reject(delivery, "unknown-layout", detail)
+
+    def _unannounced(self, env: Envelope) -> bool:
+        """Is this update of a round whose ``round_open`` has not reached us yet (the next one, or
+        any before the first)? Then it waits for the announcement, put back on the queue."""
+        return self.round < 0 or (env.inc == self.inc and env.round == self.round + 1)
 
     def on_flush(self, env: Envelope, msg: Any, d: Delivery) -> None:
         if env.inc == self.inc and env.round == self.round:
@@ -259,29 +263,51 @@ class Aggregator(ServiceBase):
         ``updates`` is acked once all are settled (their acks held until their partials' decisions,
         as a lone update's is).
 
-        An entry put back (its round not announced yet, an overlapping partial) puts the whole
-        message back: the entries not yet handled are left for its redelivery, so a host's flush
-        costs one wait for an unannounced round, not one per entry, and the dead letters of entries
-        rejected earlier in the turn are not stored (their redelivery is rejected again: ``split``).
-        Entries already reduced come back redelivered too and go as singletons: whichever of their
-        two partials the server decides second is refused (as ``duplicate`` or ``overlap``), and
-        each update counts once. After an ``overlap`` (a duplicate that reached two aggregators:
-        an aggregator crashed) this can repeat for the next bundles of the round, which then goes
-        by singletons — more partials, the same model; lone updates put back only their own batch.
+        Entries of a round not announced yet are looked at first, from their envelopes: if all
+        are, the whole message waits for the announcement (put back once, not once per entry);
+        if only some are, which no honest host sends (a host's flush holds one round's updates),
+        those are dead-lettered ``unknown-round`` and the others handled. Put back after entries
+        were handled, a bundle would bring them back redelivered, again and again until the round
+        opened.
+
+        An ``overlap`` decision (a duplicate that reached two aggregators: one crashed) puts back
+        the updates of a partial, and with each its whole bundle: the bundle's other entries come
+        back redelivered and go as singletons, whichever of their two partials the server decides
+        second is refused (``duplicate`` or ``overlap``), and each update counts once; this can
+        repeat over the round's next bundles, which then go by singletons (more partials, the same
+        model). An entry dead-lettered before that is dead-lettered again on the redelivery.
 
         The prefetch window counts these messages, the held-update bound (``_send_if_full``)
         their updates: a partial goes as soon as either fills. So an aggregator may hold up to
         ``processes.prefetch`` bundles of up to 8 updates each (a bundle's size is capped at half
         ``processes.max_message_bytes``, as a lone message at the whole), with the bundle's bytes
         and its entries' copies both alive until its last entry is settled."""
-        for part in split(d, msg.messages):
-            if d.settled:  # put back whole by an entry: the rest return with it
+        early = [self._unannounced_entry(m) for m in msg.messages]
+        if all(early):
+            time.sleep(REQUEUE_PAUSE_S)
+            d.nack(requeue=True)
+            return
+        for part, wait in zip(split(d, msg.messages), early, strict=True):
+            if d.settled:  # put back whole by an entry (an overlap meanwhile): the rest return with it
                 break
-            self.dispatch(part, self._entry_handlers, entry=True)
+            if wait:
+                detail = "an update of a round not announced yet, bundled with updates of the open round"
+                self.reject(part, "unknown-round", detail)
+            else:
+                self.dispatch(part, self._entry_handlers, entry=True)
+
+    def _unannounced_entry(self, data: bytes) -> bool:
+        """``_unannounced`` for an entry, from its envelope alone (a malformed one is not: its
+        handling dead-letters it)."""
+        try:
+            env = message_parts(data)
+        except Exception:  # anything undecodable is for ``dispatch`` to refuse, with its reason
+            return False
+        return env.kind is Kind.UPDATE and self._unannounced(env)
 
     def on_update(self, env: Envelope, msg: Update, d: Delivery) -> None:
         started = time.perf_counter()
-        if self.round < 0 or (env.inc == self.inc and env.round == self.round + 1):
+        if self._unannounced(env):
             # The round_open for this update has not reached us yet: put it back briefly.
             time.sleep(REQUEUE_PAUSE_S)
             d.nack(requeue=True)

@@ -297,15 +297,30 @@ class Server(ServiceBase):
                     "cannot delete host %s's user: %s", host_id, err, extra={"event": "provision"}
                 )
 
+    def release_host_users(self) -> None:
+        """As the server process ends: delete the run's host users if the run is over (done, or
+        failed before it began: the hosts got ``stop`` and closed meanwhile); if it was stopped
+        mid-run (SIGTERM: an upgrade, a replaced pod), leave them. The hosts go on, and the next
+        server of this experiment takes their users over (``_adopt_host_users``): deleting them
+        would cut every live host off, and race a successor already making users of its own."""
+        if self.phase == Phase.DONE or self.error:
+            self.forget_hosts()
+        elif self.provisioned:
+            self.log.info(
+                "left %d host users for the next server of this experiment",
+                len(self.provisioned),
+                extra={"event": "host_users_left"},
+            )
+
     def forget_hosts(self) -> None:
         """After the run: delete every broker user made for it (the hosts got ``stop`` and closed),
         by this server or before it restarted — listed again here in case the listing at start
         failed."""
-        self._adopt_host_users()
+        self._adopt_host_users(when="at the end of the run")
         for host_id in sorted(self.provisioned):
             self._forget_host(host_id)
 
-    def _adopt_host_users(self) -> None:
+    def _adopt_host_users(self, when: str = "made before this server started") -> None:
         """Take over the host users the broker already has for this experiment, as if just made.
 
         A server that crashed or whose pod was replaced made them, and they would otherwise work
@@ -336,8 +351,9 @@ class Server(ServiceBase):
             self.provisioned[host_id] = now
         if adopted:
             self.log.info(
-                "found %d host user(s) made before this server started: %s",
+                "found %d host user(s) %s: %s",
                 len(adopted),
+                when,
                 adopted[:10],
                 extra={"event": "host_users_adopted"},
             )

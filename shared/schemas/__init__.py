@@ -419,9 +419,10 @@ class Updates(_Body):
     device is charged its update's bytes, not the bundle's.
 
     Why: an update was a message of its own, with a broker write, a delivery and an ack each. In
-    ``benchmarks/bench_rounds.py --sizes 50 --rounds 40 --transports amqp``, run alternately on the
-    tree before this kind and with it (five pairs on a 2-core AMD EPYC VM, 2026-12-02), the
-    broker's CPU per round was 32–38 ms with lone updates and 26–29 ms with ``updates``.
+    ``benchmarks/bench_rounds.py --sizes 50 --rounds 40 --transports amqp``, run alternately on
+    commit 5d53084 (before this kind) and with it (five pairs on a 2-core AMD EPYC VM, 2026-12-02),
+    the broker's CPU per round was 32–38 ms with lone updates and 26–29 ms with ``updates``; the
+    round times moved with the machine's noise, more than by any difference between the two.
 
     Readers first: only an aggregator of this build reads it. One older than its hosts dead-letters
     it with reason ``schema`` (an unknown kind), as docs/wire.md says of a reader older than its

@@ -114,12 +114,13 @@ def split(delivery: Delivery, bodies: list[bytes]) -> list[Delivery]:
     ``bodies``: each entry as the lone message it stands for (what a dead letter of that entry
     stores, and whose length its device is charged). The message itself is acked once every part
     is settled (acked or dead-lettered), so a crash before that redelivers all of it, and every
-    entry is handled again as a redelivered lone message would be. A part nacked with requeue
-    nacks the whole message at once (an aggregator puts back an update whose round it has not
-    heard of yet, or the updates of a partial the server found overlapping): its other entries
-    come back too, redelivered, at least once as with a lost connection, and the message is
-    settled, so what its other parts do afterwards reaches the broker no more. Without requeue the
-    broker would dead-letter them all, so such a part is only settled (nothing nacks that way).
+    entry is handled again as a redelivered lone message would be (one dead-lettered before is
+    dead-lettered again: a lone one, acked once its dead letter is stored, would not come back).
+    A part nacked with requeue nacks the whole message at once (an aggregator puts back the
+    updates of a partial the server found overlapping): its other entries come back too,
+    redelivered, at least once as with a lost connection, and the message is settled, so what its
+    other parts do afterwards reaches the broker no more. Without requeue the broker would
+    dead-letter them all, so such a part is only settled (nothing nacks that way).
     """
     left = [len(bodies)]
     parts: list[Delivery] = []
