@@ -270,17 +270,31 @@ class ServiceBase:
         return identify(delivery.user_id)
 
     def reject(self, delivery: Delivery, reason: str, detail: str) -> None:
-        metrics.DEAD_LETTERS.labels(self.experiment, self.service, reason).inc()
-        self.log.warning(
-            "dead-lettered a message: %s", detail, extra={"event": "dead_letter", "reason": reason}
-        )
+        """Dead-letter ``delivery`` with ``reason``: at once outside a turn, else at the turn's end.
+
+        It is counted (``fedfleet_dead_letters_total``) and logged when it is stored, not here: a
+        bundle entry refused early in a turn whose bundle a sibling then puts back is settled by
+        that (``split``) and stored nowhere, and a second refusal of the same delivery stores
+        nothing more. Counted here, both showed dead letters that ``dead_letters.jsonl`` and the
+        dead-letter queue never held."""
         if delivery.settled or delivery.doomed:  # stored, or to be stored at the turn's end
             return
         if self._rejects is None:
-            self.transport.dead_letter(delivery, reason, detail)
+            self._store_rejects([(delivery, reason, detail)])
         else:
             delivery.doomed = True  # nobody acks or requeues it before its dead letter is stored
             self._rejects.append((delivery, reason, detail))
+
+    def _store_rejects(self, rejects: list[tuple[Delivery, str, str]]) -> None:
+        """Store the dead letters of those of ``rejects`` nothing settled meanwhile; count and log them."""
+        stored = [r for r in rejects if not r[0].settled]
+        for _, reason, detail in stored:
+            metrics.DEAD_LETTERS.labels(self.experiment, self.service, reason).inc()
+            self.log.warning(
+                "dead-lettered a message: %s", detail, extra={"event": "dead_letter", "reason": reason}
+            )
+        if stored:
+            self.transport.dead_letter_many(stored)
 
     # -- sending ---------------------------------------------------------------------------------
     def send(
@@ -555,7 +569,7 @@ class ServiceBase:
         if rejects:
             for delivery, _, _ in rejects:
                 delivery.doomed = False
-            self.transport.dead_letter_many(rejects)
+            self._store_rejects(rejects)
         self.tick()
 
     def run(self, poll_s: float = 0.05) -> None:

@@ -163,3 +163,60 @@ def test_an_aggregator_puts_back_a_bundle_of_an_unannounced_round_once_and_refus
     assert (nacks, len(pauses), handled) == ([], 1, [0, 2])
     (letter,) = t.broker.queues[t.names.dead_letter_queue]
     assert letter.headers["x-fedfleet-reason"] == "unknown-round" and letter.body == msg.messages[1]
+
+
+def test_a_dead_letter_is_counted_when_it_is_stored_not_when_it_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``fedfleet_dead_letters_total`` counts what the dead-letter queue holds: an entry refused
+    twice in a turn is stored once, and one refused before a sibling puts its bundle back is not
+    stored (``split`` settles it) until the bundle comes back and it is refused again. Counted at
+    each refusal, this turn made 4 for 1 letter."""
+    from services.aggregator.service import Aggregator
+    from shared import metrics
+    from shared.config import load_config
+    from shared.experiment import Experiment
+    from shared.schemas import Kind, Update, Updates, decode, encode
+    from shared.transport.inproc import InprocBroker, InprocTransport
+    from tests.conftest import write_config
+
+    exp = Experiment.build(load_config(write_config(tmp_path / "c.yaml")))
+    t = InprocTransport(InprocBroker(), "count")
+    agg = Aggregator(
+        t,
+        exp.aggregation_strategy,
+        experiment_id="count",
+        algorithm="fedavg",
+        aggregator_id="a",
+        prefetch=8,
+        max_bytes=1 << 20,
+    )
+    agg.round, agg.inc = 1, "abcd"
+    put_back = [True]
+
+    def handle(env: Any, msg: Any, d: Delivery) -> None:
+        if msg.device_id == 0:
+            agg.reject(d, "forged", "device 0: refused")
+            agg.reject(d, "forged", "device 0: refused again in the same turn")
+        elif put_back[0]:
+            put_back[0] = False
+            d.nack(requeue=True)
+        else:
+            d.ack()
+
+    monkeypatch.setattr(agg, "on_update", handle)
+    agg._entry_handlers[Kind.UPDATE] = agg.on_update
+    entries = [
+        encode(Kind.UPDATE, Update(device_id=i, num_samples=1), exp="count", round=1, sender="", inc="abcd")
+        for i in range(2)
+    ]
+    t.publish("update", encode(Kind.UPDATES, Updates(messages=entries), exp="count", round=0, sender=""))
+    counter = metrics.DEAD_LETTERS.labels("count", agg.service, "forged")
+    before = counter._value.get()
+    dlq = t.names.dead_letter_queue
+    # device 0 refused (twice), device 1 puts the bundle back; it comes back in the same turn:
+    # device 0 refused (twice) again, device 1 handled. One dead letter stored, one counted.
+    agg.turn(0)
+    assert put_back == [False] and len(t.broker.queues.get(dlq, [])) == 1
+    assert counter._value.get() - before == 1
+    assert decode(t.broker.queues[dlq][0].body, max_bytes=1 << 20, exp="count")[1].device_id == 0
