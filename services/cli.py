@@ -305,6 +305,7 @@ def cmd_client(args: argparse.Namespace) -> int:
         max_devices=capacity,
         memory_bytes=memory,
         on_stop=settings.on_stop,
+        bundle=settings.bundle,
     )
     _install_signal_handlers(client)
     _honour_early_term(client)

@@ -193,6 +193,7 @@ class Client(ServiceBase):
         memory_bytes: int | None = None,
         prefetch: int | None = None,
         on_stop: str = "exit",
+        bundle: bool = True,
     ) -> None:
         cfg = exp.cfg
         super().__init__(transport, experiment_id, cfg.algorithm.name, cfg.processes.max_message_bytes)
@@ -213,8 +214,9 @@ class Client(ServiceBase):
         #: first-finishers protocol: when on, devices report ``ready`` and upload only on ``go``
         self.ready_protocol = cfg.emulation.over_selection > 1 or cfg.emulation.round_deadline_s is not None
         # a flush's ``ready``/``reject``/``eval_result`` go as one ``answers``, its updates as one
-        # ``updates`` (virtual time only: in real time each update is published when its upload ends)
-        self.bundling = (ANSWERS_BUNDLE, UPDATES_BUNDLE)
+        # ``updates`` (virtual time only: in real time each update is published when its upload ends);
+        # ``bundle=False`` (``FEDFLEET_BUNDLE``) sends each alone, for readers older than those kinds
+        self.bundling = (ANSWERS_BUNDLE, UPDATES_BUNDLE) if bundle else ()
         self.held: dict[tuple[str, int, int], _Held] = {}
         #: first-finishers tasks answered ``ready`` before training (see ``_Deferred``), same keys
         self.deferred: dict[tuple[str, int, int], _Deferred] = {}
