@@ -373,12 +373,13 @@ class Aggregator(ServiceBase):
         return False
 
     def _bounded(self, update: UpdateSpec, d: Delivery) -> UpdateSpec | None:
-        """The update within bounds (clipped if so configured), or None after dead-lettering it."""
+        """The update within bounds (clipped if so configured), or None after dead-lettering it.
+
+        Its tensors' values are finite already: ``decode_tensors`` refuses NaN and ±Inf in any kind
+        of tensor (``codec.Limits.allow_nonfinite`` is off), which ``on_update`` dead-letters
+        ``nonfinite`` as this would. Checking them again here took 2.2 % of an aggregator's samples in
+        a py-spy profile of a 50-device FedAvg round (the workload of ``benchmarks/bench_rounds.py``)."""
         device = update.device_id
-        if bad := [k for k, t in update.tensors.items() if not np.isfinite(_values(t)).all()]:
-            detail = f"device {device}: non-finite values in {bad[:3]}"
-            self._out_of_bounds(d, device, update.round, "nonfinite", detail)
-            return None
         if bad := [k for k, v in update.metrics.items() if not math.isfinite(v)]:
             detail = f"device {device}: non-finite metrics {bad[:3]}"
             self._out_of_bounds(d, device, update.round, "nonfinite", detail)

@@ -8,6 +8,7 @@ declared shape, and it never interprets payload text as code or as a numpy dtype
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
@@ -255,12 +256,14 @@ def _check_values(arr: AnyArray, limits: Limits, what: str) -> None:
         # numpy bools must be 0/1; other bytes make comparisons and sums silently wrong.
         raise CodecError("tensor", f"{what}: bool buffer holds bytes other than 0 and 1")
     # max/min propagate NaN and expose +-Inf in two allocation-free passes; the element-wise isfinite
-    # mask is only built on the error path, to count the offenders.
+    # mask is only built on the error path, to count the offenders. ``math.isfinite`` on the two
+    # scalars, not ``np.isfinite``: numpy's ufunc call on a scalar cost more than both passes over
+    # an update's small tensors (9.6 vs 3.4 us for 10 float32 values, 9.9 vs 5.0 us for 8,192).
     if (
         arr.dtype.kind == "f"
         and arr.size
         and not limits.allow_nonfinite
-        and not (np.isfinite(arr.max()) and np.isfinite(arr.min()))
+        and not (math.isfinite(arr.max()) and math.isfinite(arr.min()))
     ):
         bad = arr.size - int(np.count_nonzero(np.isfinite(arr)))
         raise CodecError(
