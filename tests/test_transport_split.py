@@ -220,3 +220,65 @@ def test_a_dead_letter_is_counted_when_it_is_stored_not_when_it_is_refused(
     assert put_back == [False] and len(t.broker.queues.get(dlq, [])) == 1
     assert counter._value.get() - before == 1
     assert decode(t.broker.queues[dlq][0].body, max_bytes=1 << 20, exp="count")[1].device_id == 0
+
+
+def test_an_aggregator_holds_receipts_for_their_partial_or_at_most_half_a_second(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A turn's receipts do not go in a broker transaction of their own: they wait for the partial
+    of the updates they report (and go after it, in its transaction), for at most
+    ``RECEIPTS_WAIT_S``, and at once if they are of a round that is no longer the open one."""
+    import services.aggregator.service as agg_module
+    from services.aggregator.service import RECEIPTS_WAIT_S, Aggregator
+    from shared.algorithms.base import UpdateSpec
+    from shared.config import load_config
+    from shared.experiment import Experiment
+    from shared.schemas import Kind, Receipts, Update, decode, encode
+    from shared.transport.inproc import InprocBroker, InprocTransport
+    from tests.conftest import write_config
+
+    exp = Experiment.build(load_config(write_config(tmp_path / "c.yaml")))
+    t = InprocTransport(InprocBroker(), "held")
+    t.declare_queue("spy", ["server"])
+    agg = Aggregator(
+        t,
+        exp.aggregation_strategy,
+        experiment_id="held",
+        algorithm="fedavg",
+        aggregator_id="a",
+        prefetch=8,
+        max_bytes=1 << 20,
+    )
+    now = [100.0]
+    monkeypatch.setattr(agg_module.time, "monotonic", lambda: now[0])
+    agg.round, agg.inc = 1, "abcd"
+
+    def receipt(device: int, round: int = 1) -> None:
+        body = Update(device_id=device, num_samples=5)
+        data = encode(Kind.UPDATE, body, exp="held", round=round, sender="", inc="abcd")
+        env, msg = decode(data, max_bytes=1 << 20, exp="held")
+        d = Delivery(body=data, routing_key="update", redelivered=False)
+        agg._receipt(env, msg, d, UpdateSpec({}, 5, {}, device, round))
+
+    def receipted() -> list[list[int]]:
+        out = []
+        while t.broker.queues["spy"]:
+            env, body = decode(t.broker.queues["spy"].popleft().body, max_bytes=1 << 20, exp="held")
+            assert env.kind is Kind.RECEIPTS and isinstance(body, Receipts)
+            out.append([r.device_id for r in body.receipts])
+        return out
+
+    receipt(3)
+    receipt(4)
+    agg.flush()  # the turn's end: no partial yet, nothing due
+    now[0] += RECEIPTS_WAIT_S / 2
+    receipt(5)
+    agg.flush()
+    assert receipted() == []
+    now[0] += RECEIPTS_WAIT_S / 2  # the oldest has waited long enough: all go
+    agg.flush()
+    assert receipted() == [[3, 4, 5]]
+    receipt(6)
+    agg.round = 2  # round 1 is over (its partial went): its receipts go at once
+    agg.flush()
+    assert receipted() == [[6]]
