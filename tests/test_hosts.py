@@ -238,3 +238,44 @@ def test_a_server_stopped_mid_run_leaves_its_host_users_to_its_successor(tmp_pat
     server.phase = Phase.DONE  # a run that is over (finished, or failed: ``_fail``)
     server.release_host_users()
     assert admin.users == set()
+
+
+def test_host_users_found_at_start_count_towards_the_hosts_cap_once_their_hosts_heartbeat(
+    tmp_path: Path,
+) -> None:
+    """A server refuses a join when it already has a host per device (``too-many-hosts``). Users
+    it found on the broker at start (``_adopt_host_users``) count only once their hosts heartbeat:
+    until then they may be those of hosts that died with the old server, and a host that joins
+    meanwhile must not be turned away for them."""
+    from typing import Any
+
+    from services.server.service import Server
+    from shared.config import load_config
+    from shared.experiment import Experiment
+    from shared.schemas import Join, Kind, decode, encode
+    from shared.transport import KEY_JOIN, Delivery
+    from shared.transport.inproc import InprocBroker, InprocTransport
+    from tests.conftest import write_config
+
+    cfg = load_config(write_config(tmp_path / "c.yaml"))  # 8 devices
+    admin = _Admin()
+    admin.users = {f"old{i}" for i in range(cfg.num_devices)}  # a host per device, before a restart
+    (tmp_path / "run").mkdir()
+    transport = InprocTransport(InprocBroker(), "cap", "fedfleet-server")
+    server = Server(transport, Experiment.build(cfg), tmp_path / "run", experiment_id="cap", admin=admin)  # type: ignore[arg-type]
+    replies: list[Any] = []
+    server.transport.publish_reply = lambda reply_to, body: replies.append(decode(body, max_bytes=1 << 20)[1])  # type: ignore[method-assign]
+
+    def join() -> bool:
+        before = len(replies)
+        data = encode(Kind.JOIN, Join(hint="new"), exp="cap", round=0, sender="")
+        env, msg = decode(data, max_bytes=1 << 20, exp="cap")
+        d = Delivery(body=data, routing_key=KEY_JOIN, redelivered=False, reply_to="amq.rabbitmq.reply-to.x")
+        server.on_join(env, msg, d)
+        return len(replies) > before
+
+    assert join()  # no found user's host has heartbeat: the new host gets a user
+    for i in range(cfg.num_devices - 1):
+        server.leases.table.heartbeat(f"old{i}", 0.0)
+    assert not join()  # 7 found hosts heartbeat, and the new one joined: a host per device
+    assert len(admin.users) == cfg.num_devices + 1

@@ -181,6 +181,8 @@ class Server(ServiceBase):
         #: (``_adopt_host_users``); deleted when they leave or expire, or never heartbeat
         #: (``_check_hosts``), or at the end (``forget_hosts``)
         self.provisioned: dict[str, float] = {}
+        #: those of them found on the broker rather than made here (``_adopt_host_users``)
+        self.adopted: set[str] = set()
         self.first_heartbeat_grace_s = FIRST_HEARTBEAT_GRACE_S
         self._adopt_host_users()
         transport.declare_queue(transport.names.server_queue, [KEY_SERVER, KEY_JOIN])
@@ -260,8 +262,12 @@ class Server(ServiceBase):
         if self.admin is None or not d.reply_to:
             self.reject(d, "no-provisioning", "this server makes no broker users (FEDFLEET_BROKER_ADMIN_URL)")
             return
-        if len(self.provisioned) >= self.cfg.num_devices:  # more hosts than devices: nothing to serve
-            self.reject(d, "too-many-hosts", f"{len(self.provisioned)} hosts already joined")
+        # more hosts than devices: nothing to serve. A user found on the broker counts once its host
+        # heartbeats: until then it may be the user of a host that died with the old server (deleted
+        # after the first-heartbeat grace), and a host joining meanwhile must not be turned away
+        joined = len(self.provisioned) - len(self.adopted - self.leases.table.hosts.keys())
+        if joined >= self.cfg.num_devices:
+            self.reject(d, "too-many-hosts", f"{joined} hosts already joined")
             return
         host_id, password = new_host()
         try:
@@ -290,6 +296,7 @@ class Server(ServiceBase):
         """Delete the broker user (and queue) of a host that left or died."""
         if self.admin is not None and host_id in self.provisioned:
             del self.provisioned[host_id]
+            self.adopted.discard(host_id)
             try:
                 self.admin.delete_host(self.experiment, host_id)
             except ProvisionError as err:
@@ -349,6 +356,7 @@ class Server(ServiceBase):
         adopted = [host_id for host_id in found if host_id not in self.provisioned]
         for host_id in adopted:
             self.provisioned[host_id] = now
+        self.adopted.update(adopted)
         if adopted:
             self.log.info(
                 "found %d host user(s) %s: %s",
