@@ -92,7 +92,9 @@ def test_the_sampler_snapshots_real_processes_as_rounds_csv_grows(tmp_path: Path
         parent.wait()
     assert [d for d, _ in sampler.snapshots] == [1, 2, 3]
     assert sampler.roles[os.getpid()] == "bench"
-    n, cpu = sampler.per_round(3) or (0, {})
+    per_round = sampler.per_round(3)
+    assert per_round is not None
+    n, cpu = per_round
     assert n == 1 and cpu.get("server", 0.0) > 0.1  # ~0.3 s of a busy loop between rounds 1 and 2
 
 
