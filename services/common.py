@@ -39,7 +39,8 @@ from shared.transport import KEY_SERVER, KEY_UPDATE, Delivery, Transport, Unrout
 
 
 class PublishItem(NamedTuple):
-    """One message of a batch (``ServiceBase._publish_many``)."""
+    """One message of a batch (``ServiceBase._publish_many``), or of a service's outbox, waiting for
+    ``flush``."""
 
     kind: Kind
     key: str
@@ -49,6 +50,9 @@ class PublishItem(NamedTuple):
     #: a bundle's entries (``Bundling``): the bytes of the messages of each kind it carries, counted
     #: under that kind; the bundle's own framing is counted under ``kind``
     inner: Mapping[Kind, int] | None = None
+    #: in an outbox, the deliveries it answers, acked once it is published (one, or those of every
+    #: message a bundle carries); ``_publish_many`` does not look at them
+    answers: tuple[Delivery, ...] = ()
 
 
 #: message kinds → the ``direction`` label of traffic metrics
@@ -100,20 +104,6 @@ MessageHandler = Callable[[Envelope, Any, Delivery], None]
 #: while the aggregator starts after the eighth. (A client host counts only its uploads towards it:
 #: ``Client.outbox_full``.)
 OUTBOX_LIMIT = 8
-
-
-@dataclass
-class _Outgoing:
-    """One encoded message waiting for ``flush``, and the deliveries it answers (acked once it is
-    published: one, or those of every message a bundle carries)."""
-
-    kind: Kind
-    key: str
-    data: bytes
-    dense_bytes: int = 0
-    answers: tuple[Delivery, ...] = ()
-    #: a bundle's entries: bytes by kind (``PublishItem.inner``)
-    inner: Mapping[Kind, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -169,7 +159,7 @@ class ServiceBase:
         #: the schema version each host speaks: what is addressed to a host goes in its version
         self.peers = PeerVersions()
         #: messages queued by ``publish_soon`` (or ``_queue``) and not yet published (``flush``)
-        self.outbox: list[_Outgoing] = []
+        self.outbox: list[PublishItem] = []
         #: of the outbox: the ids of the deliveries it answers (alive while it holds them), its
         #: uploads, and when its oldest message was queued. Kept as it fills, not scanned per call:
         #: a host's outbox may hold a whole ``tasks`` message's answers (thousands)
@@ -361,7 +351,9 @@ class ServiceBase:
         _check_route(kind, key)
         if not self.outbox:
             self.outbox_since = time.monotonic()
-        self.outbox.append(_Outgoing(kind, key, data, dense_bytes, () if answers is None else (answers,)))
+        self.outbox.append(
+            PublishItem(kind, key, data, dense_bytes, answers=() if answers is None else (answers,))
+        )
         if answers is not None:
             self._answering.add(id(answers))
         self._uploads += kind is Kind.UPDATE
@@ -398,9 +390,7 @@ class ServiceBase:
             transient = self.outbox[0].kind in TRANSIENT_KINDS
             batch = [o for o in self.outbox if (o.kind in TRANSIENT_KINDS) is transient]
             self.outbox = [o for o in self.outbox if (o.kind in TRANSIENT_KINDS) is not transient]
-            unroutable = self._publish_many(
-                [PublishItem(o.kind, o.key, o.data, o.dense_bytes, o.inner) for o in batch]
-            )
+            unroutable = self._publish_many(batch)
             lost = [o for o in batch if o.key in unroutable]
             for kind in dict.fromkeys(o.kind for o in lost):
                 # the same as a ``send`` raising Unroutable: nobody is bound for the key (a server
@@ -429,7 +419,7 @@ class ServiceBase:
         picked = [o for o in self.outbox if o.key == bundling.key and o.kind in bundling.kinds]
         if not picked:
             return
-        chunks: list[list[_Outgoing]] = [[]]
+        chunks: list[list[PublishItem]] = [[]]
         size = 0
         for o in picked:
             full = len(chunks[-1]) == bundling.max_entries or size + len(o.data) > self.max_bytes // 2
@@ -451,10 +441,10 @@ class ServiceBase:
             inner: dict[Kind, int] = {}
             for o in chunk:
                 inner[o.kind] = inner.get(o.kind, 0) + len(o.data)
-            dense = sum(o.dense_bytes for o in chunk)
-            bundles.append(_Outgoing(bundling.kind, bundling.key, data, dense, answered, inner))
+            dense = sum(o.dense for o in chunk)
+            bundles.append(PublishItem(bundling.kind, bundling.key, data, dense, inner, answered))
         ids = {id(o) for o in picked}
-        outbox: list[_Outgoing] = []
+        outbox: list[PublishItem] = []
         for o in self.outbox:
             if id(o) not in ids:
                 outbox.append(o)

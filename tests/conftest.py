@@ -231,3 +231,18 @@ def lone_tasks(body: bytes) -> list[tuple[Any, bytes]]:
         raw[1], raw[6] = KIND_CODES[Kind.TASK], pack_body(Kind.TASK, task, version=env.v)
         out.append((task, codec.packb(raw)))
     return out
+
+
+def unbundled(kind: Any) -> Any:
+    """A ``ServiceBase._bundle`` that sends the messages bundles of ``kind`` (``updates``,
+    ``answers``) would carry alone, as in real time or a host of the previous build; set it with
+    ``monkeypatch.setattr(ServiceBase, "_bundle", unbundled(Kind.UPDATES))``."""
+    from services.common import ServiceBase
+
+    real = ServiceBase._bundle
+
+    def bundle(self: ServiceBase, bundling: Any) -> None:
+        if bundling.kind is not kind:
+            real(self, bundling)
+
+    return bundle

@@ -17,7 +17,7 @@ from services.orchestrator import run_inproc
 from shared.config import load_config
 from shared.experiment import Experiment
 from shared.schemas import Kind, decode, message_parts
-from tests.conftest import read_rounds, write_config
+from tests.conftest import read_rounds, unbundled, write_config
 
 
 def _run(tmp_path: Path, name: str, exp_id: str | None = None, **overrides: Any) -> tuple[Path, Experiment]:
@@ -347,7 +347,7 @@ def test_a_hosts_answers_of_a_turn_go_in_one_message_with_the_same_model(
     entries = sum(n for _, _, n in sent)
     sent.clear()
     with monkeypatch.context() as m:
-        m.setattr(ServiceBase, "_bundle", _bundle_but(Kind.ANSWERS))
+        m.setattr(ServiceBase, "_bundle", unbundled(Kind.ANSWERS))
         lone, _ = _run(tmp_path, "lone-answers", "answers", **overrides)
     assert {k for _, k, _ in sent} == {Kind.READY} and len(sent) == entries > 8
     _assert_same_run(bundled, lone)
@@ -380,19 +380,6 @@ def _a_bug_once_in_round_2(monkeypatch: pytest.MonkeyPatch, cls: type, method: s
 
     monkeypatch.setattr(cls, method, once_a_bug)
     return failed
-
-
-def _bundle_but(kind: Kind) -> Any:
-    """``ServiceBase._bundle`` that leaves the messages of bundles of ``kind`` alone."""
-    from services.common import ServiceBase
-
-    real = ServiceBase._bundle
-
-    def bundle(self: ServiceBase, bundling: Any) -> None:
-        if bundling.kind is not kind:
-            real(self, bundling)
-
-    return bundle
 
 
 def test_a_hosts_updates_of_a_flush_go_in_one_message_with_the_same_model(
@@ -434,7 +421,7 @@ def test_a_hosts_updates_of_a_flush_go_in_one_message_with_the_same_model(
     assert 0 < wire("updates-b", "updates") < 64 * sum(k is Kind.UPDATES for _, k, _ in sent)
     sent.clear()
     with monkeypatch.context() as m:
-        m.setattr(ServiceBase, "_bundle", _bundle_but(Kind.UPDATES))
+        m.setattr(ServiceBase, "_bundle", unbundled(Kind.UPDATES))
         lone, _ = _run(tmp_path, "lone-updates", "updates-l", **overrides)
     assert {k for _, k, _ in sent} == {Kind.UPDATE} and len(sent) == entries
     _assert_same_run(bundled, lone)

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.cli import main
+from services.common import ServiceBase
 from services.orchestrator import InprocCluster, run_inproc
 from shared.algorithms.base import UpdateSpec
 from shared.codec import Dense
@@ -22,7 +23,7 @@ from shared.config import load_config
 from shared.experiment import Experiment
 from shared.schemas import Kind
 from shared.transport.inproc import InprocTransport
-from tests.conftest import reduce_two_ways, tap_inproc_publishes, write_config
+from tests.conftest import reduce_two_ways, tap_inproc_publishes, unbundled, write_config
 
 SUMMARY_KEYS = {
     "algorithm",
@@ -104,17 +105,6 @@ def _cluster(cfg_path: Path, run: Path, exp_id: str) -> InprocCluster:
 WIDE = {"num_devices": 12, "devices_per_round": 10}
 
 
-def _lone_updates(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Hosts publish each update alone, as in real time or a host of the previous build, not a
-    flush's updates as one ``updates``: an aggregator then takes them one by one, up to its window."""
-    from services.common import ServiceBase
-
-    bundle = ServiceBase._bundle
-    monkeypatch.setattr(
-        ServiceBase, "_bundle", lambda self, b: None if b.kind is Kind.UPDATES else bundle(self, b)
-    )
-
-
 def _dead_letters(cluster: InprocCluster) -> list[tuple[str, bytes]]:
     """(reason, body) of every dead letter the in-process broker holds for the cluster's run."""
     transport = cluster.server.transport
@@ -136,7 +126,7 @@ def test_aggregator_crash_counts_every_update_once(
     aggregator, whose singletons the server refuses where the dead one's partial already counted.
     """
     if not bundled:
-        _lone_updates(monkeypatch)
+        monkeypatch.setattr(ServiceBase, "_bundle", unbundled(Kind.UPDATES))
     cfg = write_config(tmp_path / "c.yaml", rounds=3, **WIDE)
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
@@ -223,7 +213,7 @@ def test_aggregator_started_after_the_round_opened_joins_it(tmp_path: Path, monk
     monkeypatch.setattr(server_service, "ROUND_OPEN_REPEAT_S", 0.0)  # repeat on every tick
     # lone updates: the holder fills its window one by one and dies holding some in no partial (a
     # host's bundles would all be handled in one turn and sent on in partials)
-    _lone_updates(monkeypatch)
+    monkeypatch.setattr(ServiceBase, "_bundle", unbundled(Kind.UPDATES))
     cfg = write_config(tmp_path / "c.yaml", rounds=2, **WIDE)
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
