@@ -70,8 +70,6 @@ if TYPE_CHECKING:
     from shared.experiment import Experiment
 
 REQUEUE_PAUSE_S = 0.05
-#: the longest a receipt waits for the partial it would go with (``Aggregator.flush``)
-RECEIPTS_WAIT_S = 0.5
 
 
 def registered_samples(exp: Experiment) -> SampleLimits:
@@ -152,10 +150,9 @@ class Aggregator(ServiceBase):
         self.round_layouts: dict[bytes, tensorset.Layout] = {}  # the open round's payload layouts
         self.batch = _Batch()
         self.pending: dict[int, _Batch] = {}
-        #: receipts of accepted updates not sent yet, by (round, incarnation): one ``Receipts`` each
-        #: when they go (``flush``), and when the first of them was made
+        #: receipts of this turn's accepted updates, by (round, incarnation): one ``Receipts`` each
+        #: at the flush
         self.receipts: dict[tuple[int, str], list[Receipt]] = {}
-        self.receipts_since: float | None = None
         self.seen: set[int] = set()  # devices reduced in the current round by this aggregator
         self.seq = 0
         names = transport.names
@@ -460,8 +457,6 @@ class Aggregator(ServiceBase):
         # only once its partial is decided, after the receipts went out (``_send`` flushes them
         # right after the partial), so a crash in between redelivers the update and it is
         # receipted again
-        if not self.receipts:
-            self.receipts_since = time.monotonic()
         self.receipts.setdefault((env.round, env.inc), []).append(
             Receipt(
                 device_id=msg.device_id,
@@ -476,20 +471,9 @@ class Aggregator(ServiceBase):
         )
 
     def flush(self) -> None:
-        """The held receipts as one ``Receipts`` per round (at most ``MAX_RECEIPTS`` each) if they
-        are due (``_receipts_due``), then everything queued, published.
-
-        Why held: sent at the end of every turn, the receipts of each host's ``updates`` cost a
-        broker transaction of their own, and the round's last ones one more round trip before the
-        partial, on the round's critical path: in a 50-device round (``benchmarks/bench_rounds.py``)
-        the aggregator's turn that receipted the last bundle waited 7 ms for its commit before it
-        took the next bundle and sent the partial (a timer around each call, not committed). With
-        its partial, a receipt costs nothing more, and never reaches the server before the update
-        it reports is merged (which made the server ask for a flush it did not need)."""
-        if not self.receipts or not self._receipts_due():
-            super().flush()
-            return
-        held, self.receipts, self.receipts_since = self.receipts, {}, None
+        """The turn's receipts as one ``Receipts`` per round (at most ``MAX_RECEIPTS`` each), then
+        everything queued, published."""
+        held, self.receipts = self.receipts, {}
         for (round, inc), receipts in held.items():
             for i in range(0, len(receipts), MAX_RECEIPTS):
                 chunk = Receipts(receipts=receipts[i : i + MAX_RECEIPTS])
@@ -500,21 +484,6 @@ class Aggregator(ServiceBase):
                 # before it) without the receipts still to come
                 self._queue(KEY_SERVER, Kind.RECEIPTS, data)
         super().flush()
-
-    def _receipts_due(self) -> bool:
-        """Do the held receipts go now? With a partial (``_send`` queued one), the updates they
-        report are merged: yes. Otherwise only when the oldest has waited :data:`RECEIPTS_WAIT_S`
-        (the server learns who answered, if a partial is slow to come: the held-update window
-        fills slowly in a round that trickles in), when a ``Receipts`` is full, or when some are of
-        a round that is not the open one (its partial went)."""
-        if any(o.kind is Kind.PARTIAL for o in self.outbox):
-            return True
-        since = self.receipts_since
-        if since is not None and time.monotonic() - since >= RECEIPTS_WAIT_S:
-            return True
-        if sum(len(r) for r in self.receipts.values()) >= MAX_RECEIPTS:
-            return True
-        return any(key != (self.round, self.inc) for key in self.receipts)
 
     def _send_batch(self) -> None:
         if self.batch.deliveries:
