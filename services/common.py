@@ -262,11 +262,14 @@ class ServiceBase:
     def reject(self, delivery: Delivery, reason: str, detail: str) -> None:
         """Dead-letter ``delivery`` with ``reason``: at once outside a turn, else at the turn's end.
 
-        It is counted (``fedfleet_dead_letters_total``) and logged when it is stored, not here: a
-        bundle entry refused early in a turn whose bundle a sibling then puts back is settled by
-        that (``split``) and stored nowhere, and a second refusal of the same delivery stores
-        nothing more. Counted here, both showed dead letters that ``dead_letters.jsonl`` and the
-        dead-letter queue never held."""
+        It is counted (``fedfleet_dead_letters_total``) and logged when it goes to the transport to
+        be stored, not here: a bundle entry refused early in a turn whose bundle a sibling then
+        puts back is settled by that (``split``) and stored nowhere, and a second refusal of the
+        same delivery stores nothing more. Counted here, both showed dead letters that
+        ``dead_letters.jsonl`` and the dead-letter queue never held. (One the transport cannot
+        store because its connection was lost comes back, is refused again and counted again: at
+        least once, as the letters themselves. ``fedfleet_update_bounds_total`` still counts each
+        refusal of an out-of-bounds update, a put-back one's twice.)"""
         if delivery.settled or delivery.doomed:  # stored, or to be stored at the turn's end
             return
         if self._rejects is None:
