@@ -79,6 +79,29 @@ def test_a_part_rejected_before_a_sibling_sends_the_message_back_is_not_dead_let
     assert len(got) == 2 and got[1].redelivered and got[1].body == b"bundle"
 
 
+def _aggregator(tmp_path: Path, experiment: str) -> tuple[Any, Any]:
+    """An in-process transport (dev mode: no sender checks) and an aggregator on it, FedAvg on
+    the tests' small config, a window of 8."""
+    from services.aggregator.service import Aggregator
+    from shared.config import load_config
+    from shared.experiment import Experiment
+    from shared.transport.inproc import InprocBroker, InprocTransport
+    from tests.conftest import write_config
+
+    exp = Experiment.build(load_config(write_config(tmp_path / "c.yaml")))
+    t = InprocTransport(InprocBroker(), experiment)
+    agg = Aggregator(
+        t,
+        exp.aggregation_strategy,
+        experiment_id=experiment,
+        algorithm="fedavg",
+        aggregator_id="a",
+        prefetch=8,
+        max_bytes=1 << 20,
+    )
+    return t, agg
+
+
 def test_a_part_left_unsettled_keeps_the_message_unacked() -> None:
     d, events = _parent()
     parts = split(d, [b"a", b"b", b"c"])
@@ -117,24 +140,9 @@ def test_an_aggregator_puts_back_a_bundle_of_an_unannounced_round_once_and_refus
     updates with the next round's (no honest host sends it) has the early ones dead-lettered
     ``unknown-round`` and the others handled."""
     import services.aggregator.service as agg_module
-    from services.aggregator.service import Aggregator
-    from shared.config import load_config
-    from shared.experiment import Experiment
     from shared.schemas import Kind, Update, Updates, decode, encode
-    from shared.transport.inproc import InprocBroker, InprocTransport
-    from tests.conftest import write_config
 
-    exp = Experiment.build(load_config(write_config(tmp_path / "c.yaml")))
-    t = InprocTransport(InprocBroker(), "early")  # dev mode: no sender checks
-    agg = Aggregator(
-        t,
-        exp.aggregation_strategy,
-        experiment_id="early",
-        algorithm="fedavg",
-        aggregator_id="a",
-        prefetch=8,
-        max_bytes=1 << 20,
-    )
+    t, agg = _aggregator(tmp_path, "early")
     pauses: list[float] = []
     handled: list[int] = []
     monkeypatch.setattr(agg_module.time, "sleep", pauses.append)
@@ -172,25 +180,10 @@ def test_a_dead_letter_is_counted_when_it_is_stored_not_when_it_is_refused(
     twice in a turn is stored once, and one refused before a sibling puts its bundle back is not
     stored (``split`` settles it) until the bundle comes back and it is refused again. Counted at
     each refusal, this turn made 4 for 1 letter."""
-    from services.aggregator.service import Aggregator
     from shared import metrics
-    from shared.config import load_config
-    from shared.experiment import Experiment
     from shared.schemas import Kind, Update, Updates, decode, encode
-    from shared.transport.inproc import InprocBroker, InprocTransport
-    from tests.conftest import write_config
 
-    exp = Experiment.build(load_config(write_config(tmp_path / "c.yaml")))
-    t = InprocTransport(InprocBroker(), "count")
-    agg = Aggregator(
-        t,
-        exp.aggregation_strategy,
-        experiment_id="count",
-        algorithm="fedavg",
-        aggregator_id="a",
-        prefetch=8,
-        max_bytes=1 << 20,
-    )
+    t, agg = _aggregator(tmp_path, "count")
     agg.round, agg.inc = 1, "abcd"
     put_back = [True]
 
