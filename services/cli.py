@@ -391,7 +391,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     console.print(f"run [bold]{run_id}[/bold] · {cfg.algorithm.name} · {transport} · results in {run_dir}")
     started = time.time()
     if transport == "inproc":
-        rc = orchestrator.run_inproc(cfg, run_dir, run_id)
+        rc = orchestrator.run_inproc(cfg, run_dir, run_id, bundle=settings.bundle)
     else:
         rc = orchestrator.run_processes(
             cfg,

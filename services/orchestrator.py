@@ -108,10 +108,14 @@ class InprocCluster:
         aggregators: int | None = None,
         clients: int | None = None,
         state_dir: Path | None = None,
+        bundle: bool = True,
     ) -> None:
         from services.server.service import Server
 
         self.exp, self.cfg, self.run_dir, self.experiment_id = exp, exp.cfg, run_dir, experiment_id
+        #: the hosts' ``bundle`` (``FEDFLEET_BUNDLE``): whether a flush's updates and answers go as
+        #: one ``updates`` and one ``answers``, or each alone
+        self.bundle = bundle
         #: hosts keep their devices' state under ``<state_dir>/<host id>`` (the server keeps the newest
         #: copy of every device in ``<run_dir>/device-state``)
         self.state_dir = state_dir or run_dir / "hosts"
@@ -178,6 +182,7 @@ class InprocCluster:
             state_dir=self.state_dir / name,
             pinned=devices,
             max_devices=max_devices,
+            bundle=self.bundle,
         )
         self.services.append(client)
         return client
@@ -258,16 +263,19 @@ def run_inproc(
     exp: Experiment | None = None,
     on_round: RoundHook | None = None,
     show_progress: bool = True,
+    bundle: bool = True,
 ) -> int:
     """Run ``cfg`` with every service in this process over the in-process broker; returns an exit code.
 
     ``exp`` lets a caller pass an experiment it has instrumented (e.g. a wrapped ``strategy.train``).
+    ``bundle``: the hosts' ``FEDFLEET_BUNDLE`` (``fedfleet run`` passes the setting, so that it means
+    the same on either transport).
     """
     from services.common import setup_logging
     from shared.experiment import Experiment
 
     setup_logging("WARNING")
-    cluster = InprocCluster(exp if exp is not None else Experiment.build(cfg), run_dir, run_id)
+    cluster = InprocCluster(exp if exp is not None else Experiment.build(cfg), run_dir, run_id, bundle=bundle)
     try:
         with RoundProgress(cfg.rounds, enabled=show_progress) as progress:
             rc = cluster.run(on_round=on_round, progress=progress)

@@ -327,13 +327,14 @@ def test_a_hosts_answers_of_a_turn_go_in_one_message_with_the_same_model(
 ) -> None:
     """In virtual time a host sends the readies (and rejects) that one turn of its loop queued
     as one ``answers`` message, each entry the lone message with its MAC, which the server checks
-    and handles as if it had come alone. The run is the one the lone messages make; an entry that
-    fails on the server (a bug, once) is dead-lettered alone and the others count."""
+    and handles as if it had come alone. The run is the one the lone messages make (with
+    ``FEDFLEET_BUNDLE=false``, set for ``fedfleet run``); an entry that fails on the server (a bug,
+    once) is dead-lettered alone and the others count."""
 
-    from services.common import ServiceBase
     from services.server.service import Server
 
     sent = _tap_batches(monkeypatch, Kind.READY, Kind.ANSWERS, "messages")
+    updates = _tap_batches(monkeypatch, Kind.UPDATE, Kind.UPDATES, "messages")
     overrides: dict[str, Any] = {
         "num_devices": 20,
         "devices_per_round": 4,
@@ -346,10 +347,17 @@ def test_a_hosts_answers_of_a_turn_go_in_one_message_with_the_same_model(
     assert len(sent) <= 2 * 3  # one per host and round: each host's readies of its ``tasks``
     entries = sum(n for _, _, n in sent)
     sent.clear()
-    with monkeypatch.context() as m:
-        m.setattr(ServiceBase, "_bundle", unbundled(Kind.ANSWERS))
-        lone, _ = _run(tmp_path, "lone-answers", "answers", **overrides)
+    updates.clear()
+    # ``FEDFLEET_BUNDLE=false`` (a rollout of hosts before their readers), through the command a
+    # user runs: every ready and every update goes alone, and the run is the same
+    monkeypatch.setenv("FEDFLEET_BUNDLE", "false")
+    cfg = write_config(tmp_path / "lone.yaml", **overrides)
+    argv = ["run", str(cfg), "--transport", "inproc", "--runs-dir", str(tmp_path), "--run-id", "lone"]
+    assert main(argv) == 0
+    lone = tmp_path / "lone"
     assert {k for _, k, _ in sent} == {Kind.READY} and len(sent) == entries > 8
+    assert {k for _, k, _ in updates} == {Kind.UPDATE}
+    monkeypatch.delenv("FEDFLEET_BUNDLE")
     _assert_same_run(bundled, lone)
 
     failed = _a_bug_once_in_round_2(monkeypatch, Server, "on_ready")

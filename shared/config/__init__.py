@@ -539,12 +539,13 @@ class Settings(BaseSettings):
     #: what a client host does when the experiment ends: ``exit`` (0), or ``idle`` (stay up doing
     #: nothing: a Kubernetes Deployment would restart a pod that exits)
     on_stop: Literal["exit", "idle"] = "exit"
-    #: client hosts only: ``true`` sends a flush's updates as one ``updates`` message and its
-    #: answers (``ready``, ``reject``, ``eval_result``) as one ``answers``; ``false`` sends each alone,
-    #: as hosts did before those kinds existed. Set it to ``false`` on new hosts while the server or
-    #: an aggregator still runs an older image: both kinds were added to schema version 7 without a
-    #: new number, so an older reader cannot be told apart and dead-letters them with reason
-    #: ``schema`` (docs/wire.md, "Versions on the wire"). Same bytes per device either way
+    #: client hosts (and ``fedfleet run``'s, on either transport): ``true`` sends a flush's updates
+    #: as one ``updates`` message and its answers (``ready``, ``reject``, ``eval_result``) as one
+    #: ``answers``; ``false`` sends each alone, as hosts did before those kinds existed. Set it to
+    #: ``false`` on new hosts while the server or an aggregator still runs an older image: both kinds
+    #: were added to schema version 7 without a new number, so an older reader cannot be told apart
+    #: and dead-letters them with reason ``schema`` (docs/wire.md, "Versions on the wire"). Same
+    #: bytes per device either way
     bundle: bool = True
     #: prefix of the deployment's broker users (``<prefix>server``, ``<prefix>host-<id>``, ...)
     user_prefix: str = "fedfleet-"
