@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
 import itertools
 import json
@@ -801,3 +802,57 @@ def test_pika_connections_parse_frames_in_place() -> None:
 
     assert pika.connection.Connection._on_data_available is amqp._on_data_available
     assert amqp.PIKA_ON_DATA_AVAILABLE is not amqp._on_data_available
+
+
+class _Writer:
+    """What ``_produce`` touches of a pika transport: its socket and its queue of frames."""
+
+    def __init__(self, sock: Any, frames: list[bytes]) -> None:
+        from collections import deque
+
+        self._sock = sock
+        self._tx_buffers = deque(frames)
+        self._tx_buffered_byte_count = sum(map(len, frames))
+
+
+@given(st.lists(st.integers(1, 300_000), min_size=1, max_size=40), st.sampled_from([4096, 65536]))
+@settings(max_examples=40, deadline=None)
+def test_frames_sent_together_arrive_whole_and_in_order(sizes: list[int], sndbuf: int) -> None:
+    """Frames written with one ``sendmsg`` a turn arrive as pika's one ``send`` a frame wrote them:
+    every byte, in order. A socket that takes part of them (a small send buffer) leaves the rest
+    queued and counted, and ``BlockingIOError`` (the socket full) leaves the queue as it was, for
+    pika's writer to try again when the socket is writable."""
+    import socket
+
+    from shared.transport import amqp
+
+    frames = [bytes([i % 251]) * n for i, n in enumerate(sizes)]
+    ours, peer = socket.socketpair()
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+    ours.setblocking(False)
+    peer.setblocking(False)
+    writer, received = _Writer(ours, frames), bytearray()
+    try:
+        while writer._tx_buffers:
+            with contextlib.suppress(BlockingIOError):  # the socket is full: drain it, try again
+                amqp._produce(writer)
+            assert writer._tx_buffered_byte_count == sum(map(len, writer._tx_buffers))
+            with contextlib.suppress(BlockingIOError):
+                while chunk := peer.recv(1 << 20):
+                    received += chunk
+        with contextlib.suppress(BlockingIOError):
+            while chunk := peer.recv(1 << 20):
+                received += chunk
+    finally:
+        ours.close()
+        peer.close()
+    assert bytes(received) == b"".join(frames)
+
+
+def test_pika_plain_sockets_send_frames_together() -> None:
+    from pika.adapters.utils import io_services_utils as io
+
+    from shared.transport import amqp
+
+    assert io._AsyncPlaintextTransport._produce is amqp._produce
+    assert io._AsyncSSLTransport._produce is not amqp._produce  # TLS sockets have no sendmsg
