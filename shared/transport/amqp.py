@@ -60,6 +60,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import socket
 import struct
 import time
 from collections import deque
@@ -326,6 +327,7 @@ def _produce(self: Any) -> None:
             sent = self._sock.send(buffers[0])
         else:
             sent = self._sock.sendmsg(list(itertools.islice(buffers, SEND_BUFFERS)))
+        assert sent, "an empty frame buffer (pika's write() refuses them)"  # else no progress, ever
         self._tx_buffered_byte_count -= sent
         while sent:
             head = buffers[0]
@@ -337,9 +339,11 @@ def _produce(self: Any) -> None:
 
 
 def _coalesce_sends() -> None:
-    """Install :func:`_produce` on pika's plain-socket transport (TLS sockets have no ``sendmsg``;
-    theirs stays pika's). pika is pinned below 2 in ``pyproject.toml``."""
-    _AsyncPlaintextTransport._produce = _produce
+    """Install :func:`_produce` on pika's plain-socket transport where sockets have ``sendmsg``
+    (not on Windows). TLS sockets keep pika's: ``ssl.SSLSocket.sendmsg`` raises
+    NotImplementedError. pika is pinned below 2 in ``pyproject.toml``."""
+    if hasattr(socket.socket, "sendmsg"):
+        _AsyncPlaintextTransport._produce = _produce
 
 
 _coalesce_sends()
