@@ -98,11 +98,9 @@ def setup_logging(level: str = "INFO") -> None:
 
 MessageHandler = Callable[[Envelope, Any, Delivery], None]
 
-#: ``publish_soon`` flushes once this many messages wait. Why a cap: a client that was handed a
-#: burst of tasks (a round's fan-out arrives in one read) would otherwise train all of them before
-#: uploading any, and the aggregator would sit idle meanwhile; 8 keeps one commit per 8 uploads
-#: while the aggregator starts after the eighth. (A client host counts only its uploads towards it:
-#: ``Client.outbox_full``.)
+#: ``publish_soon`` flushes once this many messages wait: one broker commit per 8 messages, while
+#: whoever they go to starts on them early. (A client host has its own rule, by the bytes and the
+#: age of its uploads: ``Client.outbox_full``.)
 OUTBOX_LIMIT = 8
 
 
@@ -161,10 +159,13 @@ class ServiceBase:
         #: messages queued by ``publish_soon`` (or ``_queue``) and not yet published (``flush``)
         self.outbox: list[PublishItem] = []
         #: of the outbox: the ids of the deliveries it answers (alive while it holds them), its
-        #: uploads, and when its oldest message was queued. Kept as it fills, not scanned per call:
-        #: a host's outbox may hold a whole ``tasks`` message's answers (thousands)
+        #: uploads (how many, their bytes, when the oldest was queued), and when its oldest message
+        #: was queued. Kept as it fills, not scanned per call: a host's outbox may hold a whole
+        #: ``tasks`` message's answers (thousands)
         self._answering: set[int] = set()
         self._uploads = 0
+        self._upload_bytes = 0
+        self.uploads_since: float | None = None
         #: this turn's dead letters, stored together after its messages are handled (None: outside
         #: a turn, each one is stored as it is rejected)
         self._rejects: list[tuple[Delivery, str, str]] | None = None
@@ -359,7 +360,11 @@ class ServiceBase:
         )
         if answers is not None:
             self._answering.add(id(answers))
-        self._uploads += kind is Kind.UPDATE
+        if kind is Kind.UPDATE:
+            if not self._uploads:
+                self.uploads_since = time.monotonic()
+            self._uploads += 1
+            self._upload_bytes += len(data)
 
     def outbox_full(self) -> bool:
         """Whether ``publish_soon`` flushes now: :data:`OUTBOX_LIMIT` messages wait."""
@@ -379,8 +384,12 @@ class ServiceBase:
             self._flush()
         finally:  # what a failed publish left queued (normally nothing)
             self._answering = {id(d) for o in self.outbox for d in o.answers}
-            self._uploads = sum(o.kind is Kind.UPDATE for o in self.outbox)
+            # what a failed publish left, bundled or not (``_bundle`` ran first): its uploads still
+            # count towards the next flush (``Client.outbox_full``)
+            uploads = [_uploads_in(o) for o in self.outbox]
+            self._uploads, self._upload_bytes = sum(n for n, _ in uploads), sum(b for _, b in uploads)
             self.outbox_since = time.monotonic() if self.outbox else None
+            self.uploads_since = self.outbox_since if self._uploads else None
 
     def _flush(self) -> None:
         for bundling in self.bundling:
@@ -568,6 +577,16 @@ class ServiceBase:
     def run(self, poll_s: float = 0.05) -> None:
         while not self.stopped:
             self.turn(poll_s)
+
+
+def _uploads_in(item: PublishItem) -> tuple[int, int]:
+    """How many updates an outbox item carries and their bytes: a lone update, or an ``updates``
+    bundle (one answered task per update it carries)."""
+    if item.kind is Kind.UPDATE:
+        return 1, len(item.data)
+    if item.kind is Kind.UPDATES:
+        return max(len(item.answers), 1), (item.inner or {}).get(Kind.UPDATE, len(item.data))
+    return 0, 0
 
 
 def _check_route(kind: Kind, key: str) -> None:

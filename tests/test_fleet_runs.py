@@ -401,9 +401,12 @@ def test_a_hosts_updates_of_a_flush_go_in_one_message_with_the_same_model(
     dead-lettered alone, as its lone message, while the others of its ``updates`` count."""
     from prometheus_client import REGISTRY
 
+    import services.client.service as client_module
     from services.aggregator.service import Aggregator
     from services.common import ServiceBase
 
+    # a host's turn goes in one flush, however slow the machine (not split by upload age)
+    monkeypatch.setattr(client_module, "UPLOAD_WAIT_S", 60.0)
     sent = _tap_batches(monkeypatch, Kind.UPDATE, Kind.UPDATES, "messages")
     overrides: dict[str, Any] = {
         "num_devices": 24,
@@ -421,8 +424,8 @@ def test_a_hosts_updates_of_a_flush_go_in_one_message_with_the_same_model(
     assert Kind.UPDATES in {k for _, k, _ in sent} and {k for _, k, _ in sent} <= {Kind.UPDATES, Kind.UPDATE}
     entries = sum(n for _, _, n in sent)
     participants = sum(int(r["participants"]) for r in read_rounds(bundled))
-    assert entries == participants == 36 and len(sent) <= entries / 2  # 12 a round, 8 or fewer a flush
-    assert max(n for _, _, n in sent) <= 8
+    # 12 a round over 2 hosts, each host's in one flush (a small round: far from the flush's bounds)
+    assert entries == participants == 36 and len(sent) <= 2 * 3
     summary = json.loads((bundled / "summary.json").read_text())
     # every update's bytes under kind="update" (device uplink plus telemetry), the framing apart
     assert wire("updates-b", "update") == summary["bytes_up"] + summary["telemetry_bytes_up"]

@@ -110,25 +110,82 @@ def test_a_part_left_unsettled_keeps_the_message_unacked() -> None:
     assert events == [] and not d.settled  # a crash now redelivers the whole message
 
 
-def test_a_client_flushes_its_answers_at_8_uploads_or_once_the_oldest_waited(
+def test_a_client_flushes_by_upload_bytes_count_and_age_or_once_the_oldest_answer_waited(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A host keeps a turn's answers (``ready``...) together, but not past 8 uploads, a full
-    ``answers``, or :data:`ANSWERS_WAIT_S`: the server decides at its deadline with the readies it
-    has, and a ready queued after a long training must not wait for the end of the turn."""
+    """A host keeps a turn's answers (``ready``...) and uploads together, but not past
+    :data:`UPLOAD_FLUSH_BYTES` or :data:`UPLOAD_FLUSH_COUNT` of uploads, an upload older than
+    :data:`UPLOAD_WAIT_S`, a full ``answers``, or :data:`ANSWERS_WAIT_S`: the aggregators get to
+    work while a long turn trains on, and the server decides at its deadline with the readies it
+    has, so a ready queued after a long training must not wait for the end of the turn."""
     import services.client.service as client_module
-    from services.client.service import ANSWERS_WAIT_S, Client
+    from services.client.service import (
+        ANSWERS_WAIT_S,
+        UPLOAD_FLUSH_BYTES,
+        UPLOAD_FLUSH_COUNT,
+        UPLOAD_WAIT_S,
+        Client,
+    )
+    from services.common import PublishItem
+    from shared.schemas import Kind
+    from shared.topology import KEY_UPDATE
 
     now = [100.0]
     monkeypatch.setattr(client_module.time, "monotonic", lambda: now[0])
     host = object.__new__(Client)  # only the outbox's state matters here
-    host.outbox, host._uploads, host.outbox_since = [object()] * 30, 0, now[0]  # type: ignore[list-item]
+    host.outbox, host._answering, host.outbox_since = [], set(), None
+    host._uploads, host._upload_bytes, host.uploads_since = 0, 0, None
+
+    def upload(size: int) -> None:
+        host._queue(KEY_UPDATE, Kind.UPDATE, b"u" * size)
+
+    host.outbox = [object()] * 30  # type: ignore[list-item]
+    host.outbox_since = now[0]
     assert not host.outbox_full()  # 30 readies of one turn: kept together
-    host._uploads = 8
+    upload(1000)
+    assert host.uploads_since == now[0] and not host.outbox_full()
+    for _ in range(UPLOAD_FLUSH_COUNT - 2):
+        upload(1000)
+    assert not host.outbox_full()
+    upload(1000)  # the UPLOAD_FLUSH_COUNT-th
     assert host.outbox_full()
-    host._uploads = 0
-    now[0] += ANSWERS_WAIT_S
+    host.outbox = [o for o in host.outbox if not isinstance(o, PublishItem)]
+    host._uploads, host._upload_bytes, host.uploads_since = 0, 0, None
+    upload(UPLOAD_FLUSH_BYTES - 1)
+    assert not host.outbox_full()
+    upload(1)  # the bytes reached
     assert host.outbox_full()
+    host._uploads, host._upload_bytes, host.uploads_since = 1, 10, now[0]
+    now[0] += UPLOAD_WAIT_S  # an upload waited: it goes, whatever else waits
+    assert host.outbox_full()
+    host._uploads, host._upload_bytes, host.uploads_since = 0, 0, None
+    assert not host.outbox_full()  # the readies alone wait longer
+    now[0] = host.outbox_since + ANSWERS_WAIT_S
+    assert host.outbox_full()
+
+
+def test_uploads_a_failed_flush_left_in_a_bundle_still_count_towards_the_next() -> None:
+    """``flush`` bundles a host's updates before it publishes; if the publish fails, the outbox
+    keeps the ``updates`` bundle, and its updates (one answered task each, their bytes) still count
+    towards the upload bounds of ``Client.outbox_full`` rather than escaping them."""
+    from services.common import PublishItem, ServiceBase
+    from shared.schemas import Kind
+    from shared.topology import KEY_UPDATE
+
+    svc = object.__new__(ServiceBase)  # only the outbox's state matters here
+    (d1, _), (d2, _) = _parent(), _parent()
+    bundle = PublishItem(Kind.UPDATES, KEY_UPDATE, b"x" * 40, inner={Kind.UPDATE: 9000}, answers=(d1, d2))
+
+    def publish_fails() -> None:
+        svc.outbox = [bundle]  # what ``_bundle`` made of two queued updates, then a lost connection
+        raise ConnectionError("gone")
+
+    svc.outbox = []
+    svc._flush = publish_fails  # type: ignore[method-assign]
+    with pytest.raises(ConnectionError):
+        svc.flush()
+    assert (svc._uploads, svc._upload_bytes) == (2, 9000) and svc.uploads_since is not None
+    assert svc._answering == {id(d1), id(d2)}
 
 
 def test_an_aggregator_puts_back_a_bundle_of_an_unannounced_round_once_and_refuses_a_mixed_one(

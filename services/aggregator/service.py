@@ -279,9 +279,10 @@ class Aggregator(ServiceBase):
 
         The prefetch window counts these messages, the held-update bound (``_send_if_full``)
         their updates: a partial goes as soon as either fills. So an aggregator may hold up to
-        ``processes.prefetch`` bundles of up to 8 updates each (a bundle's size is capped at half
-        ``processes.max_message_bytes``, as a lone message at the whole), with the bundle's bytes
-        and its entries' copies both alive until its last entry is settled."""
+        ``processes.prefetch`` bundles, each of up to 64 updates and about 4 MiB (a host's flush,
+        ``Client.outbox_full``; a bundle's size is capped at half ``processes.max_message_bytes``,
+        as a lone message at the whole), with the bundle's bytes and its entries' copies both alive
+        until its last entry is settled."""
         early = [self._unannounced_entry(m) for m in msg.messages]
         if all(early):
             time.sleep(REQUEUE_PAUSE_S)
@@ -449,7 +450,7 @@ class Aggregator(ServiceBase):
 
     def held_updates(self) -> int:
         """Updates whose acks wait for a decision. The broker's window (the prefetch) counts
-        messages, and a host's ``updates`` is one message of up to 8: this may exceed it."""
+        messages, and a host's ``updates`` is one message of up to 64: this may exceed it."""
         return len(self.batch.deliveries) + sum(len(b.deliveries) for b in self.pending.values())
 
     def _receipt(self, env: Envelope, msg: Update, d: Delivery, update: UpdateSpec) -> None:

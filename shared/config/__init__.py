@@ -176,16 +176,16 @@ class ProcessConfig(_Strict):
     aggregators: int = Field(1, ge=1)
     #: client processes; the devices are dealt over them
     clients: int = Field(2, ge=1)
-    #: messages an aggregator may hold unacknowledged (a lone update, or a host's ``updates`` of
-    #: up to 8); with ``prefetch - 1`` updates held and no partial of its own awaiting the server's
-    #: decision, it sends them as a partial on its own
+    #: messages an aggregator may hold unacknowledged (a lone update, or a host's ``updates`` of up
+    #: to 64 updates and about 4 MiB); with ``prefetch - 1`` updates held and no partial of its own
+    #: awaiting the server's decision, it sends them as a partial on its own
     prefetch: int = Field(32, ge=2)
     #: messages a client host takes from its queue at once: lone tasks in real time (or from a host
     #: of schema version 6), and in virtual time one ``tasks`` message per host and round that holds
     #: all its devices' tasks, counted as one. A turn of its loop trains what it took and uploads the
-    #: updates in broker transactions of up to 8, so a larger value means fewer transactions (each a
-    #: round trip, and CPU on both sides); its heartbeats go out between tasks however long the
-    #: turn. 1 takes one message at a time.
+    #: updates in broker transactions of up to 64 updates, 4 MiB or 0.2 s of training, so a larger
+    #: value means fewer transactions (each a round trip, and CPU on both sides); its heartbeats go
+    #: out between tasks however long the turn. 1 takes one message at a time.
     client_prefetch: int = Field(32, ge=1)
     #: messages larger than this are dead-lettered unread (bytes)
     max_message_bytes: int = Field(256 * 1024 * 1024, ge=1024)

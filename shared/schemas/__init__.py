@@ -405,8 +405,9 @@ class Answers(_Body):
     messages: list[bytes] = Field(min_length=1, max_length=MAX_ANSWERS)
 
 
-#: the most updates one ``Updates`` carries (a host flushes at ``services.common.OUTBOX_LIMIT``
-#: uploads, 8; the bound is the decoder's, for what a host may send)
+#: the most updates one ``Updates`` carries (a host flushes at
+#: ``services.client.service.UPLOAD_FLUSH_COUNT`` uploads, 64, or fewer; the bound is the
+#: decoder's, for what a host may send)
 MAX_UPDATES = 256
 
 
